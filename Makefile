@@ -1,0 +1,30 @@
+# The two commands of the README. Both create .venv and install the project on first use.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: install demo test lint clean
+
+install: $(STAMP)
+
+# Reinstall when the dependencies, the build hook or the gRPC contract change: the
+# install step is also what generates the protobuf stubs.
+$(STAMP): pyproject.toml setup.py $(wildcard protos/*.proto)
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -e '.[dev]'
+	touch $(STAMP)
+
+demo: install
+	$(VENV)/bin/slicewise demo
+
+test: install
+	$(PY) -m pytest
+
+lint: install
+	$(VENV)/bin/ruff check controller worker programs benchmarks tests slicewise.py
+
+
+clean:
+	rm -rf $(VENV) build *.egg-info protos/*_pb2*.py protos/*_pb2*.pyi

@@ -1,0 +1,147 @@
+"""The controller's record of every remote array: its handle, shape, dtype and state.
+
+The data itself lives on the workers; the controller keeps what it needs to validate
+calls at once (before anything reaches a worker) and to answer `wait` and `fetch`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import itertools
+import math
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from controller.errors import FailedPreconditionError, InvalidRequestError, NotFoundError
+from controller.mesh import ShardingSpec
+
+# How many deleted or released handles to remember, for a precise error message.
+_FORGOTTEN_LIMIT = 100_000
+
+
+def dtype_of(name: str) -> np.dtype:
+    """A numpy dtype from its name, including JAX's extra ones (bfloat16, float8_*).
+
+    Raises:
+        InvalidRequestError: the name is not a dtype.
+    """
+    import ml_dtypes
+
+    try:
+        dtype = np.dtype(getattr(ml_dtypes, name, name))
+    except TypeError:
+        raise InvalidRequestError(f"unknown dtype {name!r}; use a numpy dtype name such as "
+                                  "'float32', 'bfloat16' or 'int32'") from None
+    if dtype.kind not in "biufc" and dtype.type.__module__ != "ml_dtypes":
+        raise InvalidRequestError(f"dtype {name!r} cannot live on an accelerator")
+    return dtype
+
+
+@dataclass(frozen=True)
+class ArraySpec:
+    """Shape and dtype of an array (the dtype by name, so it travels as text)."""
+
+    shape: tuple[int, ...]
+    dtype: str
+
+    @classmethod
+    def of(cls, shape: Sequence[int], dtype: str | np.dtype) -> ArraySpec:
+        name = dtype if isinstance(dtype, str) else np.dtype(dtype).name
+        spec = cls(tuple(int(d) for d in shape), dtype_of(name).name)
+        if any(d < 0 for d in spec.shape):
+            raise InvalidRequestError(f"shape {spec.shape} has a negative dimension")
+        return spec
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * dtype_of(self.dtype).itemsize
+
+    def __str__(self) -> str:
+        return f"{self.dtype}[{','.join(map(str, self.shape))}]"
+
+
+class ArrayState(enum.Enum):
+    PENDING = 1
+    READY = 2
+    FAILED = 3
+
+
+@dataclass
+class ArrayRecord:
+    """One remote array as the controller knows it."""
+
+    handle: str
+    gang_id: str
+    spec: ArraySpec
+    sharding: ShardingSpec | None = None
+    state: ArrayState = ArrayState.PENDING
+    error: str = ""
+    settled: asyncio.Event = field(default_factory=asyncio.Event, repr=False)
+
+    def settle(self, error: str | None) -> None:
+        if self.state is ArrayState.PENDING:
+            self.state = ArrayState.FAILED if error else ArrayState.READY
+            self.error = error or ""
+        self.settled.set()
+
+    def require_usable(self) -> None:
+        if self.state is ArrayState.FAILED:
+            raise FailedPreconditionError(f"array {self.handle} is unavailable: {self.error}")
+
+
+class ArrayTable:
+    """Handle -> record, and a memory of recently forgotten handles for error messages."""
+
+    def __init__(self) -> None:
+        self._records: dict[str, ArrayRecord] = {}
+        self._forgotten: OrderedDict[str, str] = OrderedDict()
+        self._ids = itertools.count(1)
+
+    def __len__(self) -> int:
+        return len(self._records)
+
+    def new(self, gang_id: str, spec: ArraySpec, sharding: ShardingSpec | None = None
+            ) -> ArrayRecord:
+        record = ArrayRecord(f"{gang_id}/a{next(self._ids)}", gang_id, spec, sharding)
+        self._records[record.handle] = record
+        return record
+
+    def get(self, handle: str) -> ArrayRecord:
+        """The record for `handle`.
+
+        Raises:
+            NotFoundError: never known, deleted, or its gang was released.
+        """
+        record = self._records.get(handle)
+        if record is not None:
+            return record
+        why = self._forgotten.get(handle)
+        if why is not None:
+            raise NotFoundError(f"array {handle} {why}")
+        raise NotFoundError(f"array handle {handle!r} is unknown to this controller")
+
+    def delete(self, handle: str) -> ArrayRecord:
+        record = self.get(handle)
+        del self._records[handle]
+        self._forget(handle, "was deleted")
+        return record
+
+    def drop_gang(self, gang_id: str, why: str) -> int:
+        dropped = [h for h, r in self._records.items() if r.gang_id == gang_id]
+        for handle in dropped:
+            record = self._records.pop(handle)
+            record.settle(f"gang {gang_id} {why}")
+            self._forget(handle, f"belonged to gang {gang_id}, which {why}")
+        return len(dropped)
+
+    def count(self, gang_id: str) -> int:
+        return sum(1 for r in self._records.values() if r.gang_id == gang_id)
+
+    def _forget(self, handle: str, why: str) -> None:
+        self._forgotten[handle] = why
+        while len(self._forgotten) > _FORGOTTEN_LIMIT:
+            self._forgotten.popitem(last=False)

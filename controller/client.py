@@ -1,0 +1,399 @@
+"""The Python client: connect to a controller, allocate a gang, compile once, run remotely.
+
+    client = slicewise.connect("127.0.0.1:50051")
+    with client.allocate(slices=2, slice_type="v5litepod-4") as gang:
+        mesh = gang.mesh(dcn={"slice": 2}, ici={"data": 2, "model": 2})
+        x = gang.put(np.ones((8, 16), np.float32), mesh.sharding(("slice", "data"), None))
+        step = gang.compile(jax.jit(f), x)      # jax.export on the client, no devices needed
+        y = step(x)                             # returns at once
+        print(y.fetch())
+
+Errors from the controller arrive as the exception classes of `controller.errors`
+(InvalidRequestError, NotFoundError, ...), each with the gRPC status as `.code`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
+
+import grpc
+import numpy as np
+
+from controller import wire
+from controller.arrays import ArraySpec, dtype_of
+from controller.errors import (
+    CapacityError,
+    DeadlineError,
+    FailedPreconditionError,
+    InvalidRequestError,
+    NotFoundError,
+    SlicewiseError,
+    WorkerError,
+)
+from controller.mesh import MeshSpec, ShardingSpec
+from protos import controller_pb2 as pb
+from protos import controller_pb2_grpc as pb_grpc
+
+_ERRORS: dict[grpc.StatusCode, type[SlicewiseError]] = {
+    grpc.StatusCode.INVALID_ARGUMENT: InvalidRequestError,
+    grpc.StatusCode.NOT_FOUND: NotFoundError,
+    grpc.StatusCode.FAILED_PRECONDITION: FailedPreconditionError,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: CapacityError,
+    grpc.StatusCode.DEADLINE_EXCEEDED: DeadlineError,
+    grpc.StatusCode.UNAVAILABLE: WorkerError,
+}
+
+
+def _raise_from(err: grpc.RpcError) -> None:
+    code = err.code()
+    exc = _ERRORS.get(code, SlicewiseError)(err.details() or str(code))
+    exc.code = code  # type: ignore[attr-defined]
+    raise exc from None
+
+
+def _call(fn: Any, *args: Any, **kwargs: Any) -> Any:
+    try:
+        return fn(*args, **kwargs)
+    except grpc.RpcError as err:
+        _raise_from(err)
+
+
+def connect(address: str, *, name: str = "", timeout: float = 30.0) -> Client:
+    """Connects to a controller at `host:port` and checks that it answers."""
+    return Client(address, name=name, timeout=timeout)
+
+
+class Client:
+    """A connection to one controller."""
+
+    def __init__(self, address: str, *, name: str = "", timeout: float = 30.0) -> None:
+        self.address = address
+        self.name = name
+        self._channel = grpc.insecure_channel(address)
+        try:
+            grpc.channel_ready_future(self._channel).result(timeout=timeout)
+        except grpc.FutureTimeoutError:
+            self._channel.close()
+            raise ConnectionError(
+                f"no slicewise controller answers at {address} after {timeout:.0f} s; start "
+                "one with `slicewise controller --sim 2xv5litepod-4 --port 50051`"
+            ) from None
+        self.stub = pb_grpc.ControllerStub(self._channel)
+
+    def health(self) -> pb.HealthResponse:
+        return _call(self.stub.Health, pb.HealthRequest(), timeout=30)
+
+    def cluster_info(self) -> pb.ClusterInfo:
+        return _call(self.stub.GetClusterInfo, pb.ClusterInfoRequest(), timeout=30)
+
+    def allocate(self, slices: int, slice_type: str, *, timeout: float = 600.0) -> Gang:
+        """Blocks until a gang of `slices` whole slices is admitted and its workers are up."""
+        request = pb.AllocateGangRequest(num_slices=slices, slice_type=slice_type,
+                                         timeout_s=timeout, client=self.name)
+        # The controller applies `timeout` to admission; starting the workers comes on top.
+        info = _call(self.stub.AllocateGang, request, timeout=timeout + 300)
+        return Gang(self, info)
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class Mesh:
+    """A mesh over a gang's devices: DCN axes span slices, ICI axes stay inside one."""
+
+    def __init__(self, spec: MeshSpec) -> None:
+        self.spec = spec
+        self.abstract = spec.abstract()
+
+    @property
+    def shape(self) -> dict[str, int]:
+        return dict(zip(self.spec.names, self.spec.shape, strict=True))
+
+    def sharding(self, *partition: Any) -> Any:
+        """A `NamedSharding` on this mesh; arguments as for `PartitionSpec`."""
+        from jax.sharding import NamedSharding, PartitionSpec
+
+        return NamedSharding(self.abstract, PartitionSpec(*partition))
+
+    def __repr__(self) -> str:
+        return f"Mesh{self.spec.describe()}"
+
+
+class Gang:
+    """Slices held by this client; released by `release()` or on leaving a `with` block."""
+
+    def __init__(self, client: Client, info: pb.GangInfo) -> None:
+        self.client = client
+        self.id = info.gang_id
+        self.slice_type = info.slice_type
+        self.num_slices = info.num_slices
+        self.hosts_per_slice = info.hosts_per_slice
+        self.chips_per_host = info.chips_per_host
+        self.platform = info.platform
+        self.slices = list(info.slices)
+        self.released = False
+        self._meshes: list[Mesh] = []
+
+    @property
+    def chips_per_slice(self) -> int:
+        return self.hosts_per_slice * self.chips_per_host
+
+    @property
+    def num_devices(self) -> int:
+        return self.num_slices * self.chips_per_slice
+
+    def __repr__(self) -> str:
+        return (f"Gang({self.id}: {self.num_slices} x {self.slice_type}, "
+                f"{self.num_devices} devices on {self.platform})")
+
+    # -- meshes ---------------------------------------------------------------------
+
+    def mesh(self, dcn: Mapping[str, int] | None = None, ici: Mapping[str, int] | None = None
+             ) -> Mesh:
+        """A mesh over this gang. By default one DCN axis `slice` and one ICI axis `chip`.
+
+        An axis named in both `dcn` and `ici` spans slices and chips (DCN-major).
+        """
+        if dcn is None and ici is None:
+            dcn, ici = {"slice": self.num_slices}, {"chip": self.chips_per_slice}
+        mesh = Mesh(MeshSpec.build(dcn, ici))
+        self._check(mesh.spec)
+        self._meshes.append(mesh)
+        return mesh
+
+    def _check(self, spec: MeshSpec) -> None:
+        from controller.mesh import GangShape
+
+        spec.check_fits(GangShape(self.num_slices, self.hosts_per_slice, self.chips_per_host))
+
+    def _mesh_of(self, abstract: Any) -> Mesh:
+        for mesh in reversed(self._meshes):
+            if (mesh.abstract.axis_names == abstract.axis_names
+                    and tuple(mesh.abstract.axis_sizes) == tuple(abstract.axis_sizes)):
+                return mesh
+        raise InvalidRequestError(
+            f"{abstract} is not a mesh of gang {self.id}; build meshes with gang.mesh(...)"
+        )
+
+    def _sharding_spec(self, sharding: Any, ndim: int) -> ShardingSpec:
+        if sharding is None:
+            mesh = self._meshes[-1] if self._meshes else self.mesh()
+            return ShardingSpec(mesh.spec, ())
+        if isinstance(sharding, ShardingSpec):
+            self._check(sharding.mesh)
+            return sharding
+        mesh = self._mesh_of(sharding.mesh)
+        return ShardingSpec.from_partition_spec(mesh.spec, tuple(sharding.spec))
+
+    # -- arrays ---------------------------------------------------------------------
+
+    def put(self, array: Any, sharding: Any = None) -> RemoteArray:
+        """Uploads `array`, split as `sharding` says (replicated when None)."""
+        array = np.ascontiguousarray(array)
+        spec = ArraySpec.of(array.shape, array.dtype)
+        sharding_spec = self._sharding_spec(sharding, array.ndim)
+        data = memoryview(array.reshape(-1).view(np.uint8))
+
+        def messages() -> Iterator[pb.PutChunk]:
+            yield pb.PutChunk(header=pb.PutHeader(
+                gang_id=self.id, spec=wire.spec_to_pb(spec),
+                sharding=wire.sharding_to_pb(sharding_spec)))
+            for piece in wire.chunks(data):
+                yield pb.PutChunk(data=bytes(piece))
+
+        info = _call(self.client.stub.PutArray, messages())
+        return RemoteArray(self, info, sharding_spec)
+
+    # -- programs -------------------------------------------------------------------
+
+    def compile(self, fn: Any, *args: Any, name: str = "", mesh: Mesh | None = None) -> Program:
+        """Exports `fn` (a `jax.jit` function) for this gang and registers it.
+
+        `args` describe the inputs: RemoteArrays, `jax.ShapeDtypeStruct`s with a sharding
+        on one of this gang's meshes, or numpy arrays (replicated). No devices are used:
+        the export runs against the mesh's `AbstractMesh`.
+        """
+        import jax
+        from jax import export
+
+        specs, meshes = [], []
+        for a in args:
+            if isinstance(a, RemoteArray):
+                meshes.append(a.sharding.mesh)
+                specs.append(a.shape_dtype_struct())
+            elif isinstance(a, jax.ShapeDtypeStruct):
+                if a.sharding is not None:
+                    meshes.append(self._mesh_of(a.sharding.mesh).spec)
+                specs.append(a)
+            else:
+                arr = np.asarray(a)
+                specs.append(jax.ShapeDtypeStruct(arr.shape, arr.dtype))
+        chosen = mesh.spec if mesh is not None else (
+            meshes[0] if meshes else (self._meshes[-1] if self._meshes else self.mesh()).spec)
+        if any(m != chosen for m in meshes):
+            raise InvalidRequestError("all inputs of one program must use the same mesh")
+        jitted = fn if hasattr(fn, "lower") else jax.jit(fn)
+        exported = export.export(jitted, platforms=[self.platform])(*specs)
+        return self.load(exported, Mesh(chosen), name=name or getattr(fn, "__name__", ""))
+
+    def load(self, exported: Any, mesh: Mesh, *, name: str = "") -> Program:
+        """Registers an already exported program (a `jax.export.Exported` or its bytes)."""
+        serialized = exported if isinstance(exported, bytes | bytearray) else exported.serialize()
+        serialized = bytes(serialized)
+
+        def messages() -> Iterator[pb.ProgramChunk]:
+            yield pb.ProgramChunk(header=pb.ProgramHeader(
+                gang_id=self.id, name=name, mesh=wire.mesh_to_pb(mesh.spec),
+                total_bytes=len(serialized)))
+            for piece in wire.chunks(memoryview(serialized)):
+                yield pb.ProgramChunk(data=bytes(piece))
+
+        info = _call(self.client.stub.RegisterProgram, messages())
+        in_shardings = None if isinstance(exported, bytes | bytearray) else exported
+        return Program(self, info, mesh, in_shardings)
+
+    # -- lifetime -------------------------------------------------------------------
+
+    def release(self) -> None:
+        if not self.released:
+            _call(self.client.stub.ReleaseGang, pb.ReleaseGangRequest(gang_id=self.id),
+                  timeout=120)
+            self.released = True
+
+    def __enter__(self) -> Gang:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+
+class Program:
+    """A registered program; calling it queues a run and returns RemoteArrays at once."""
+
+    def __init__(self, gang: Gang, info: pb.ProgramInfo, mesh: Mesh, exported: Any) -> None:
+        self.gang = gang
+        self.id = info.program_id
+        self.name = info.name
+        self.mesh = mesh
+        self.inputs = [wire.spec_from_pb(s) for s in info.inputs]
+        self.outputs = [wire.spec_from_pb(s) for s in info.outputs]
+        self._exported = exported
+
+    def __call__(self, *args: Any) -> Any:
+        handles = [self._as_remote(i, a).handle for i, a in enumerate(args)]
+        reply = _call(self.gang.client.stub.Execute, pb.ExecuteRequest(
+            gang_id=self.gang.id, program_id=self.id, inputs=handles), timeout=60)
+        outs = [RemoteArray(self.gang, info, sharding)
+                for info, sharding in zip(reply.outputs, self._out_shardings(), strict=True)]
+        return outs[0] if len(outs) == 1 else tuple(outs)
+
+    def _out_shardings(self) -> list[ShardingSpec | None]:
+        if self._exported is None:
+            return [None] * len(self.outputs)
+        return [None if s is None else
+                ShardingSpec.from_partition_spec(self.mesh.spec, tuple(s.spec))
+                for s in self._exported.out_shardings_jax(self.mesh.abstract)]
+
+    def _as_remote(self, i: int, arg: Any) -> RemoteArray:
+        if isinstance(arg, RemoteArray):
+            return arg
+        sharding = None
+        if self._exported is not None:
+            want = self._exported.in_shardings_jax(self.mesh.abstract)[i]
+            if want is not None:
+                sharding = ShardingSpec.from_partition_spec(self.mesh.spec, tuple(want.spec))
+        return self.gang.put(np.asarray(arg), sharding or ShardingSpec(self.mesh.spec, ()))
+
+    def __repr__(self) -> str:
+        sig = ", ".join(map(str, self.inputs))
+        return f"Program({self.name}({sig}) -> {', '.join(map(str, self.outputs))})"
+
+
+class RemoteArray:
+    """An array that lives on a gang's workers."""
+
+    def __init__(self, gang: Gang, info: pb.ArrayInfo, sharding: ShardingSpec | None) -> None:
+        self.gang = gang
+        self.handle = info.handle
+        self.spec = wire.spec_from_pb(info.spec)
+        self.sharding = sharding
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.spec.shape
+
+    @property
+    def dtype(self) -> np.dtype:
+        return dtype_of(self.spec.dtype)
+
+    @property
+    def size(self) -> int:
+        return math.prod(self.shape)
+
+    def shape_dtype_struct(self) -> Any:
+        import jax
+        from jax.sharding import NamedSharding, PartitionSpec
+
+        sharding = None
+        if self.sharding is not None:
+            sharding = NamedSharding(self.sharding.mesh.abstract(),
+                                     PartitionSpec(*self.sharding.partition_spec()))
+        return jax.ShapeDtypeStruct(self.shape, self.dtype, sharding=sharding)
+
+    def wait(self, timeout: float = 600.0) -> pb.ArrayInfo:
+        """Blocks until the array is computed (or failed); returns its state."""
+        reply = _call(self.gang.client.stub.WaitArrays,
+                      pb.WaitArraysRequest(handles=[self.handle], timeout_s=timeout),
+                      timeout=timeout + 30)
+        return reply.arrays[0]
+
+    def block_until_ready(self, timeout: float = 600.0) -> RemoteArray:
+        info = self.wait(timeout)
+        if info.state == pb.ARRAY_STATE_FAILED:
+            raise FailedPreconditionError(f"array {self.handle} failed: {info.error}")
+        if info.state != pb.ARRAY_STATE_READY:
+            raise DeadlineError(f"array {self.handle} not ready after {timeout:.0f} s")
+        return self
+
+    def fetch(self, timeout: float = 600.0) -> np.ndarray:
+        """Downloads the whole array as numpy (waits for it to be computed)."""
+        out = np.empty(self.spec.nbytes, dtype=np.uint8)
+        offset = 0
+        try:
+            for chunk in self.gang.client.stub.FetchArray(
+                    pb.FetchArrayRequest(handle=self.handle, timeout_s=timeout),
+                    timeout=timeout + 60):
+                if chunk.HasField("data"):
+                    out[offset:offset + len(chunk.data)] = np.frombuffer(chunk.data, np.uint8)
+                    offset += len(chunk.data)
+        except grpc.RpcError as err:
+            _raise_from(err)
+        if offset != out.size:
+            raise WorkerError(f"fetch of {self.handle} ended after {offset} of {out.size} bytes")
+        return out.view(self.dtype).reshape(self.shape)
+
+    def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
+        result = self.fetch()
+        return result if dtype is None else result.astype(dtype)
+
+    def delete(self) -> None:
+        _call(self.gang.client.stub.DeleteArrays,
+              pb.DeleteArraysRequest(handles=[self.handle]), timeout=60)
+
+    def __repr__(self) -> str:
+        return f"RemoteArray({self.handle}: {self.spec})"
+
+
+def delete(arrays: Sequence[RemoteArray]) -> None:
+    """Deletes several arrays in one call."""
+    if arrays:
+        _call(arrays[0].gang.client.stub.DeleteArrays,
+              pb.DeleteArraysRequest(handles=[a.handle for a in arrays]), timeout=60)

@@ -1,0 +1,325 @@
+"""The controller's state and behaviour, independent of gRPC: gangs, programs, arrays.
+
+The servicer (servicer.py) is a thin shell that turns protobuf messages into calls
+here and errors from here into gRPC status codes. Everything here runs on one asyncio
+loop; anything slow (deserializing, copying large arrays, Ray's blocking calls) runs in
+a thread so that one client's upload never stalls another client's dispatch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+import uuid
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from controller.arrays import ArrayRecord, ArraySpec, ArrayTable, dtype_of
+from controller.errors import (
+    DeadlineError,
+    FailedPreconditionError,
+    NotFoundError,
+    WorkerError,
+)
+from controller.gang import Gang, GangState
+from controller.inventory import Slice, slices_from_nodes
+from controller.mesh import GangShape, MeshSpec, ShardingSpec
+from controller.programs import Program, ProgramRegistry, load_program, program_id_of
+from controller.scheduler import GangRequest, Scheduler
+from controller.topology import slice_type
+from worker.ops import DeleteOp, ExecOp, LoadOp, PinOp, PutOp
+
+log = logging.getLogger(__name__)
+
+VERSION = "0.1.0"
+DEFAULT_ALLOCATE_TIMEOUT_S = 600.0
+DEFAULT_FETCH_TIMEOUT_S = 600.0
+GANG_START_TIMEOUT_S = 240.0
+_INVENTORY_PERIOD_S = 1.0
+
+
+@dataclass
+class PutTarget:
+    """A validated upload, waiting for its bytes."""
+
+    gang: Gang
+    spec: ArraySpec
+    sharding: ShardingSpec
+    buffer: np.ndarray  # uint8, spec.nbytes long
+
+
+class Controller:
+    """One controller: owns the cluster's slices, its gangs and every remote array."""
+
+    def __init__(self, *, nodes: Callable[[], list[dict[str, Any]]] | None = None,
+                 simulated: bool = False, worker_window: int = 3) -> None:
+        self.simulated = simulated
+        self.started_at = time.time()
+        self.scheduler = Scheduler()
+        self.programs = ProgramRegistry()
+        self.arrays = ArrayTable()
+        self.gangs: dict[str, Gang] = {}
+        self._nodes = nodes or _ray_nodes
+        self._worker_window = worker_window
+        self._gang_ids = itertools.count(1)
+        self._released: OrderedDict[str, str] = OrderedDict()
+        self._admitted: dict[str, asyncio.Future[tuple[str, ...]]] = {}
+        self._refresher: asyncio.Task[None] | None = None
+
+    # -- lifecycle ------------------------------------------------------------------
+
+    async def start(self) -> None:
+        await self.refresh_inventory()
+        self._refresher = asyncio.create_task(self._refresh_forever(), name="inventory")
+
+    async def shutdown(self) -> None:
+        if self._refresher is not None:
+            self._refresher.cancel()
+        for gang_id in list(self.gangs):
+            await self.release(gang_id, why="was stopped with the controller")
+
+    async def refresh_inventory(self) -> dict[str, Slice]:
+        slices = slices_from_nodes(await asyncio.to_thread(self._nodes))
+        self.scheduler.set_inventory(slices)
+        self._admit()
+        return slices
+
+    async def _refresh_forever(self) -> None:
+        while True:
+            await asyncio.sleep(_INVENTORY_PERIOD_S)
+            try:
+                await self.refresh_inventory()
+            except Exception:  # noqa: BLE001 - keep serving; the next round may work
+                log.exception("reading the Ray node table failed")
+
+    # -- gangs ----------------------------------------------------------------------
+
+    async def allocate(self, num_slices: int, slice_type_name: str, *, timeout_s: float = 0,
+                       client: str = "") -> Gang:
+        """Admits a gang of whole slices and starts its workers; see AllocateGang."""
+        stype = slice_type(slice_type_name)
+        timeout_s = timeout_s or DEFAULT_ALLOCATE_TIMEOUT_S
+        gang_id = f"g{next(self._gang_ids)}"
+        request = GangRequest(gang_id, num_slices, stype, client)
+        await self.refresh_inventory()
+        self.scheduler.submit(request)
+        admitted = self._admitted[gang_id] = asyncio.get_running_loop().create_future()
+        self._admit()
+        log.info("gang %s: %s asks for %d x %s", gang_id, client or "a client", num_slices,
+                 stype.name)
+        try:
+            slice_names = await asyncio.wait_for(asyncio.shield(admitted), timeout_s)
+        except TimeoutError:
+            why = self.scheduler.why_waiting(gang_id)
+            raise DeadlineError(
+                f"no {num_slices} x {stype.name} could be admitted within {timeout_s:.0f} s: "
+                f"{why}; wait longer (timeout) or release other gangs"
+            ) from None
+        finally:
+            self._admitted.pop(gang_id, None)
+            if not admitted.done():
+                self.scheduler.cancel(gang_id)
+        inventory = self.scheduler.inventory
+        gang = Gang(gang_id, client, stype, [inventory[n] for n in slice_names],
+                    window=self._worker_window)
+        self.gangs[gang_id] = gang
+        try:
+            await gang.start(GANG_START_TIMEOUT_S)
+        except BaseException:
+            self.gangs.pop(gang_id, None)
+            self.scheduler.release(gang_id)
+            self._admit()
+            raise
+        return gang
+
+    def _admit(self) -> None:
+        for admission in self.scheduler.schedule():
+            waiter = self._admitted.get(admission.request_id)
+            if waiter is None or waiter.done():
+                self.scheduler.release(admission.request_id)  # its client gave up meanwhile
+                continue
+            waiter.set_result(admission.slices)
+
+    async def release(self, gang_id: str, why: str = "was released") -> None:
+        gang = self.get_gang(gang_id, usable=False)
+        del self.gangs[gang_id]
+        await gang.stop()
+        dropped = self.arrays.drop_gang(gang_id, why)
+        self.scheduler.release(gang_id)
+        self._released[gang_id] = why
+        while len(self._released) > 10_000:
+            self._released.popitem(last=False)
+        log.info("gang %s %s (%d arrays freed)", gang_id, why, dropped)
+        self._admit()
+
+    def get_gang(self, gang_id: str, *, usable: bool = True) -> Gang:
+        gang = self.gangs.get(gang_id)
+        if gang is None:
+            why = self._released.get(gang_id)
+            if why is not None:
+                raise FailedPreconditionError(
+                    f"gang {gang_id} {why}; allocate a new gang to run more work"
+                )
+            raise NotFoundError(f"gang {gang_id!r} is unknown to this controller")
+        if usable and gang.state is GangState.FAILED:
+            raise FailedPreconditionError(
+                f"gang {gang_id} failed ({gang.failure}); release it and allocate a new one"
+            )
+        return gang
+
+    # -- programs -------------------------------------------------------------------
+
+    async def register_program(self, gang_id: str, name: str, mesh: MeshSpec,
+                               serialized: bytes) -> Program:
+        gang = self.get_gang(gang_id)
+        mesh.check_fits(gang.shape)
+        program_id = program_id_of(serialized, mesh)
+        try:
+            program = self.programs.get(program_id)
+        except NotFoundError:
+            program = await asyncio.to_thread(load_program, serialized, name, mesh)
+        program.check_fits(gang.shape, gang.platform, gang_id)
+        self.programs.add(program)
+        self._ensure_loaded(gang, program)
+        return program
+
+    def _ensure_loaded(self, gang: Gang, program: Program) -> None:
+        if program.program_id in gang.loaded_programs:
+            return
+        gang.dispatcher.submit(
+            lambda seq: LoadOp(seq, program.program_id, program.serialized, program.mesh))
+        gang.loaded_programs.add(program.program_id)
+
+    def execute(self, gang_id: str, program_id: str, inputs: Sequence[str]
+                ) -> tuple[int, list[ArrayRecord]]:
+        """Queues a program call; returns its sequence number and pending outputs."""
+        gang = self.get_gang(gang_id)
+        program = self.programs.get(program_id)
+        program.check_fits(gang.shape, gang.platform, gang_id)
+        records = [self._usable_array(h, gang_id) for h in inputs]
+        program.check_inputs([r.spec for r in records], list(inputs))
+        self._ensure_loaded(gang, program)
+        outputs = [self.arrays.new(gang_id, spec) for spec in program.outputs]
+        seq, done = gang.dispatcher.submit(lambda seq: ExecOp(
+            seq, program_id, tuple(inputs), tuple(r.handle for r in outputs)))
+        done.add_done_callback(lambda f: [r.settle(f.result()) for r in outputs])
+        return seq, outputs
+
+    def _usable_array(self, handle: str, gang_id: str) -> ArrayRecord:
+        record = self.arrays.get(handle)
+        if record.gang_id != gang_id:
+            raise FailedPreconditionError(
+                f"array {handle} lives on gang {record.gang_id}, not on gang {gang_id}; "
+                "fetch it and put it on this gang"
+            )
+        record.require_usable()
+        return record
+
+    # -- arrays ---------------------------------------------------------------------
+
+    def begin_put(self, gang_id: str, spec: ArraySpec, sharding: ShardingSpec) -> PutTarget:
+        """Validates an upload's header before any of its bytes arrive."""
+        gang = self.get_gang(gang_id)
+        sharding.mesh.check_fits(gang.shape)
+        sharding.check(spec.shape)
+        return PutTarget(gang, spec, sharding, np.empty(spec.nbytes, dtype=np.uint8))
+
+    async def finish_put(self, target: PutTarget) -> ArrayRecord:
+        """Splits a received array into per-host pieces and queues it to the workers."""
+        gang, spec = target.gang, target.spec
+        if gang.state is not GangState.READY:
+            self.get_gang(gang.gang_id)
+        array = target.buffer.view(dtype_of(spec.dtype)).reshape(spec.shape)
+        pieces = await asyncio.to_thread(_split, array, target.sharding, gang.shape)
+        record = self.arrays.new(gang.gang_id, spec, target.sharding)
+        _, done = gang.dispatcher.submit(lambda seq: [
+            PutOp(seq, record.handle, spec.shape, spec.dtype, target.sharding, pieces[p])
+            for p in range(gang.shape.num_processes)
+        ])
+        done.add_done_callback(lambda f: record.settle(f.result()))
+        return record
+
+    async def fetch(self, handle: str, timeout_s: float = 0) -> tuple[ArrayRecord, np.ndarray]:
+        """Waits for an array and gathers its pieces from every worker."""
+        timeout_s = timeout_s or DEFAULT_FETCH_TIMEOUT_S
+        record = self.arrays.get(handle)
+        gang = self.get_gang(record.gang_id)
+        record.require_usable()
+        pin_id = uuid.uuid4().hex
+        _, done = gang.dispatcher.submit(lambda seq: PinOp(seq, handle, pin_id))
+        try:
+            error = await asyncio.wait_for(done, timeout_s)
+            if error:
+                raise FailedPreconditionError(f"array {handle} is unavailable: {error}")
+            pieces = await asyncio.wait_for(gang.read(pin_id), timeout_s)
+        except TimeoutError:
+            await gang.drop_pin(pin_id)
+            raise DeadlineError(
+                f"array {handle} was not ready within {timeout_s:.0f} s; fetch again with a "
+                "longer timeout"
+            ) from None
+        result = await asyncio.to_thread(_assemble, record.spec, pieces)
+        return record, result
+
+    async def wait(self, handles: Sequence[str], timeout_s: float) -> list[ArrayRecord]:
+        """Waits until the arrays settle or `timeout_s` passes; returns them either way."""
+        records = [self.arrays.get(h) for h in handles]
+        pending = [asyncio.ensure_future(r.settled.wait())
+                   for r in records if not r.settled.is_set()]
+        if pending:
+            _, still = await asyncio.wait(pending, timeout=timeout_s or None)
+            for task in still:
+                task.cancel()
+        return records
+
+    def delete(self, handles: Sequence[str]) -> int:
+        for h in handles:
+            self.arrays.get(h)  # all or none: fail before deleting anything
+        by_gang: dict[str, list[str]] = {}
+        for h in handles:
+            by_gang.setdefault(self.arrays.delete(h).gang_id, []).append(h)
+        for gang_id, group in by_gang.items():
+            gang = self.gangs.get(gang_id)
+            if gang is not None and gang.state is GangState.READY:
+                gang.dispatcher.submit(lambda seq, g=tuple(group): DeleteOp(seq, g))
+        return len(handles)
+
+    # -- status ---------------------------------------------------------------------
+
+    def gang_shape(self, gang_id: str) -> GangShape:
+        return self.get_gang(gang_id).shape
+
+
+def _split(array: np.ndarray, sharding: ShardingSpec, gang: GangShape
+           ) -> list[list[tuple[tuple[slice, ...], np.ndarray]]]:
+    per_process = sharding.process_pieces(array.shape, gang)
+    return [[(idx, np.ascontiguousarray(array[idx])) for idx in per_process[p]]
+            for p in range(gang.num_processes)]
+
+
+def _assemble(spec: ArraySpec, pieces: list[list[tuple[tuple[slice, ...], np.ndarray]]]
+              ) -> np.ndarray:
+    out = np.empty(spec.shape, dtype=dtype_of(spec.dtype))
+    covered = 0
+    for worker_pieces in pieces:
+        for index, data in worker_pieces:
+            out[index] = data
+            covered += data.size
+    if covered != out.size:
+        raise WorkerError(
+            f"workers returned {covered} of {out.size} elements of a {spec} array; "
+            "the gang's workers disagree on its sharding"
+        )
+    return out
+
+
+def _ray_nodes() -> list[dict[str, Any]]:
+    import ray
+
+    return ray.nodes()

@@ -1,0 +1,178 @@
+"""A gang: whole slices reserved through Ray placement groups, one worker actor per
+host, all joined into one jax.distributed cluster, fed by one dispatch queue."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import enum
+import logging
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from controller.dispatch import Dispatcher
+from controller.errors import WorkerError
+from controller.inventory import Slice
+from controller.mesh import GangShape, Index
+from controller.simcluster import SLICE_NAME_LABEL, WORKER_ID_LABEL
+from controller.topology import SliceType
+from worker.env import HostPlacement, simulated_host_env, tpu_host_env
+from worker.ops import Op, OpResult
+
+log = logging.getLogger(__name__)
+
+# Threads per worker actor: outstanding batches plus concurrent reads.
+_WORKER_THREADS = 16
+
+
+class GangState(enum.Enum):
+    STARTING = "starting"
+    READY = "ready"
+    FAILED = "failed"
+    RELEASED = "released"
+
+
+class Gang:
+    """Everything the controller holds for one gang."""
+
+    def __init__(self, gang_id: str, client: str, stype: SliceType, slices: Sequence[Slice],
+                 *, window: int = 3) -> None:
+        self.gang_id = gang_id
+        self.client = client
+        self.slice_type = stype
+        self.slices = list(slices)
+        self.shape = GangShape(len(slices), stype.hosts, stype.chips_per_host)
+        self.simulated = all(s.simulated for s in slices)
+        self.platform = "cpu" if self.simulated else "tpu"
+        self.state = GangState.STARTING
+        self.failure = ""
+        self.epoch = 1
+        self.created_at = time.time()
+        self.loaded_programs: set[str] = set()
+        self._window = window
+        self._placement_groups: list[Any] = []
+        self._workers: list[Any] = []
+        self.dispatcher = Dispatcher(self._send, self.shape.num_processes,
+                                     on_broken=self._on_broken)
+
+    # -- start ----------------------------------------------------------------------
+
+    async def start(self, timeout_s: float) -> None:
+        """Reserves the slices, starts the workers and forms the jax.distributed cluster.
+
+        All or nothing: on any failure every placement group and worker created so far
+        is removed before the error propagates.
+
+        Raises:
+            WorkerError: reservation, worker start or formation failed or timed out.
+        """
+        started = time.monotonic()
+        try:
+            await asyncio.wait_for(self._reserve(), timeout_s)
+            await asyncio.wait_for(self._form(), max(30.0, timeout_s - (time.monotonic() - started)))
+        except BaseException as exc:
+            await self.stop()
+            self.state = GangState.FAILED
+            if isinstance(exc, TimeoutError):
+                raise WorkerError(
+                    f"gang {self.gang_id} did not start within {timeout_s:.0f} s "
+                    f"(slices {[s.name for s in self.slices]}); the hosts may be overloaded "
+                    "or gone"
+                ) from None
+            if isinstance(exc, Exception):
+                raise WorkerError(f"gang {self.gang_id} failed to start: "
+                                  f"{type(exc).__name__}: {exc}") from exc
+            raise
+        self.state = GangState.READY
+        log.info("gang %s ready: %d slice(s) %s, %d workers, in %.1f s", self.gang_id,
+                 len(self.slices), [s.name for s in self.slices], len(self._workers),
+                 time.monotonic() - started)
+
+    async def _reserve(self) -> None:
+        from ray.util.placement_group import placement_group
+
+        for s in self.slices:
+            bundles = [{"TPU": float(self.shape.chips_per_host)} for _ in range(s.type.hosts)]
+            bundles[0][s.type.head_resource] = 1.0
+            selectors = [{SLICE_NAME_LABEL: s.name, WORKER_ID_LABEL: str(h)}
+                         for h in range(s.type.hosts)]
+            self._placement_groups.append(placement_group(
+                bundles, strategy="STRICT_SPREAD", name=f"slicewise-{self.gang_id}-{s.name}",
+                bundle_label_selector=selectors,
+            ))
+        await asyncio.gather(*(pg.ready() for pg in self._placement_groups))
+
+    async def _form(self) -> None:
+        import ray
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        from worker.actor import HostWorker
+
+        remote_cls = ray.remote(HostWorker)
+        head = self.slices[0].host(0)
+        for s_index, (s, pg) in enumerate(zip(self.slices, self._placement_groups, strict=True)):
+            for h in range(s.type.hosts):
+                placement = HostPlacement(s_index, h, len(self.slices), s.type.hosts,
+                                          s.type.chips_per_host)
+                env = (simulated_host_env(placement) if self.simulated
+                       else tpu_host_env(placement, head.address))
+                self._workers.append(remote_cls.options(
+                    num_cpus=0,
+                    resources={"TPU": float(s.type.chips_per_host)},
+                    scheduling_strategy=PlacementGroupSchedulingStrategy(
+                        pg, placement_group_bundle_index=h),
+                    runtime_env={"env_vars": env},
+                    max_concurrency=_WORKER_THREADS,
+                    max_restarts=0,
+                    name=f"slicewise-{self.gang_id}-p{placement.process_id}",
+                ).remote(self.gang_id, self.shape, placement.process_id, window=self._window))
+        coordinator = await self._workers[0].free_address.remote(head.address)
+        infos = await asyncio.gather(*(
+            w.initialize.remote(
+                coordinator, self.epoch, partition_index=i // self.shape.hosts_per_slice,
+                bind_address=coordinator if self.simulated else None, timeout_s=120)
+            for i, w in enumerate(self._workers)
+        ))
+        self.platform = infos[0]["platform"]
+        self.worker_pids = [info["pid"] for info in infos]
+
+    # -- running --------------------------------------------------------------------
+
+    async def _send(self, worker: int, ops: list[Op]) -> list[OpResult]:
+        return await self._workers[worker].run.remote(self.epoch, ops)
+
+    def _on_broken(self, reason: str) -> None:
+        if self.state is GangState.READY:
+            self.state = GangState.FAILED
+            self.failure = reason
+
+    async def read(self, pin_id: str) -> list[list[tuple[Index, Any]]]:
+        """Every worker's distinct pieces of a pinned array."""
+        return list(await asyncio.gather(*(w.read.remote(pin_id) for w in self._workers)))
+
+    async def drop_pin(self, pin_id: str) -> None:
+        await asyncio.gather(*(w.drop_pin.remote(pin_id) for w in self._workers),
+                             return_exceptions=True)
+
+    async def worker_stats(self) -> list[dict[str, Any]]:
+        return list(await asyncio.gather(*(w.stats.remote() for w in self._workers)))
+
+    # -- stop -----------------------------------------------------------------------
+
+    async def stop(self) -> None:
+        """Kills the workers and frees the slices; safe to call more than once."""
+        import ray
+        from ray.util.placement_group import remove_placement_group
+
+        await self.dispatcher.close(f"gang {self.gang_id} was released")
+        for worker in self._workers:
+            with contextlib.suppress(Exception):
+                ray.kill(worker, no_restart=True)
+        for pg in self._placement_groups:
+            with contextlib.suppress(Exception):
+                remove_placement_group(pg)
+        self._workers.clear()
+        self._placement_groups.clear()
+        if self.state is not GangState.FAILED:
+            self.state = GangState.RELEASED

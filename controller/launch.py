@@ -1,0 +1,90 @@
+"""Starting and stopping controller processes from Python (the demo, tests, benchmarks).
+
+A controller runs in a session of its own, so that stopping it can never signal the
+caller, and so that anything it leaves behind can still be found and killed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import IO
+
+
+class ControllerProcess:
+    """A `slicewise controller` subprocess; `address` is where it listens."""
+
+    def __init__(self, *, sim: str | None = None, ray_address: str | None = None,
+                 extra_args: tuple[str, ...] = (), stderr: IO[str] | None = None,
+                 start_timeout_s: float = 300.0) -> None:
+        where = ["--sim", sim] if sim else ["--ray-address", str(ray_address)]
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "controller.cli", "controller", *where, "--port", "0",
+             *extra_args],
+            stdout=subprocess.PIPE, stderr=stderr, text=True, start_new_session=True,
+        )
+        try:
+            self.address = _wait_for_listening(self.proc, start_timeout_s)
+        except BaseException:
+            self.stop()
+            raise
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def stop(self, timeout_s: float = 90.0) -> int:
+        return stop_process(self.proc, timeout_s)
+
+
+@contextmanager
+def controller_process(**kwargs: object) -> Iterator[ControllerProcess]:
+    """A ControllerProcess that is stopped (SIGTERM, then SIGKILL) on leaving the block."""
+    controller = ControllerProcess(**kwargs)  # type: ignore[arg-type]
+    try:
+        yield controller
+    finally:
+        controller.stop()
+
+
+def _wait_for_listening(proc: subprocess.Popen, timeout_s: float) -> str:
+    found: list[str] = []
+    done = threading.Event()
+    assert proc.stdout is not None
+    stdout = proc.stdout
+
+    def read() -> None:
+        # Reads to the end, so that the controller never blocks on a full pipe.
+        for line in stdout:
+            if "listening on" in line and not found:
+                found.append(line.split("listening on", 1)[1].split()[0])
+                done.set()
+        done.set()  # end of output: the controller exited
+
+    threading.Thread(target=read, daemon=True).start()
+    done.wait(timeout_s)
+    if not found:
+        raise RuntimeError(
+            f"the controller did not start within {timeout_s:.0f} s (exit code {proc.poll()}); "
+            "see its log"
+        )
+    return found[0]
+
+
+def stop_process(proc: subprocess.Popen, timeout_s: float = 90.0) -> int:
+    """SIGTERM a process started in its own session; SIGKILL the session if it lingers."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=30)
+    return proc.returncode

@@ -1,0 +1,126 @@
+"""Registered programs: serialized `jax.export` artifacts, content-addressed and checked
+against the gang they will run on before any worker sees them."""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from controller.arrays import ArraySpec
+from controller.errors import InvalidRequestError, NotFoundError, ProgramMismatchError
+from controller.mesh import GangShape, MeshSpec
+
+
+@dataclass(frozen=True)
+class Program:
+    """A deserialized, validated program."""
+
+    program_id: str
+    name: str
+    serialized: bytes = field(repr=False)
+    mesh: MeshSpec
+    inputs: tuple[ArraySpec, ...]
+    outputs: tuple[ArraySpec, ...]
+    num_devices: int
+    platforms: tuple[str, ...]
+
+    def check_fits(self, gang: GangShape, platform: str, gang_id: str) -> None:
+        """Raises ProgramMismatchError unless this program can run on the gang."""
+        if self.num_devices != gang.num_devices:
+            raise ProgramMismatchError(
+                f"program {self.name!r} was exported for {self.num_devices} devices, but gang "
+                f"{gang_id} has {gang.num_devices} ({gang.num_slices} slice(s) x "
+                f"{gang.chips_per_slice} chips); export it against the gang's mesh "
+                "(gang.mesh(...).abstract) so the device counts agree"
+            )
+        if platform not in self.platforms:
+            raise ProgramMismatchError(
+                f"program {self.name!r} was exported for platforms {list(self.platforms)}, but "
+                f"gang {gang_id} runs on {platform!r}; pass platforms=[{platform!r}] to jax.export"
+            )
+        self.mesh.check_fits(gang)
+
+    def check_inputs(self, given: Sequence[ArraySpec], handles: Sequence[str]) -> None:
+        """Raises ProgramMismatchError unless the inputs match the exported signature."""
+        if len(given) != len(self.inputs):
+            raise ProgramMismatchError(
+                f"program {self.name!r} takes {len(self.inputs)} input(s) "
+                f"({', '.join(map(str, self.inputs))}) but was called with {len(given)}"
+            )
+        for i, (want, got, handle) in enumerate(zip(self.inputs, given, handles, strict=True)):
+            if want != got:
+                raise ProgramMismatchError(
+                    f"input {i} of program {self.name!r}: expected {want}, got {got} "
+                    f"(array {handle})"
+                )
+
+
+def program_id_of(serialized: bytes, mesh: MeshSpec) -> str:
+    digest = hashlib.sha256(serialized)
+    digest.update(repr(mesh).encode())
+    return digest.hexdigest()
+
+
+def load_program(serialized: bytes, name: str, mesh: MeshSpec) -> Program:
+    """Deserializes and describes a program.
+
+    Raises:
+        InvalidRequestError: the bytes are not a jax.export artifact, or it uses
+            symbolic shapes.
+    """
+    from jax import export
+
+    try:
+        exported = export.deserialize(bytearray(serialized))
+    except Exception as exc:  # noqa: BLE001 - any failure here means bad bytes
+        raise InvalidRequestError(
+            f"program {name!r} could not be deserialized as a jax.export artifact "
+            f"({type(exc).__name__}: {str(exc)[:200]}); send the bytes of "
+            "jax.export.export(...)(...).serialize()"
+        ) from None
+
+    def specs(avals: Sequence[object], what: str) -> tuple[ArraySpec, ...]:
+        out = []
+        for aval in avals:
+            shape = getattr(aval, "shape", ())
+            if not all(isinstance(d, int) for d in shape):
+                raise InvalidRequestError(
+                    f"program {name!r} has symbolic {what} shape {shape}; export it with "
+                    "concrete shapes"
+                )
+            out.append(ArraySpec.of(shape, aval.dtype))  # type: ignore[attr-defined]
+        return tuple(out)
+
+    return Program(
+        program_id=program_id_of(serialized, mesh),
+        name=name or exported.fun_name,
+        serialized=serialized,
+        mesh=mesh,
+        inputs=specs(exported.in_avals, "input"),
+        outputs=specs(exported.out_avals, "output"),
+        num_devices=exported.nr_devices,
+        platforms=tuple(exported.platforms),
+    )
+
+
+class ProgramRegistry:
+    """program id -> Program; registering the same bytes twice is free."""
+
+    def __init__(self) -> None:
+        self._programs: dict[str, Program] = {}
+
+    def __len__(self) -> int:
+        return len(self._programs)
+
+    def add(self, program: Program) -> Program:
+        return self._programs.setdefault(program.program_id, program)
+
+    def get(self, program_id: str) -> Program:
+        try:
+            return self._programs[program_id]
+        except KeyError:
+            raise NotFoundError(
+                f"program {program_id!r} is not registered with this controller; "
+                "register it first (gang.compile or gang.load)"
+            ) from None

@@ -1,0 +1,110 @@
+"""The controller process: joins (or starts) a Ray cluster, serves gRPC, and on
+SIGTERM or Ctrl-C stops every worker and simulated host it started."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import sys
+from dataclasses import dataclass
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """How to run a controller (the `slicewise controller` flags)."""
+
+    host: str = "127.0.0.1"
+    port: int = 50051
+    sim: str | None = None
+    ray_address: str | None = None
+    host_object_store_mb: int = 1536
+    head_object_store_mb: int = 3072
+    worker_window: int = 3
+
+    def __post_init__(self) -> None:
+        if bool(self.sim) == bool(self.ray_address):
+            raise ValueError("give exactly one of --sim SPEC (embedded simulation) or "
+                             "--ray-address ADDR (an existing Ray cluster)")
+        if self.sim:
+            from controller.topology import parse_sim_spec
+
+            parse_sim_spec(self.sim)  # a bad spec fails here, before anything starts
+
+
+def prepare_environment(ray_address: str | None) -> None:
+    """Process settings that must be in place before Ray or JAX are imported."""
+    # The controller only deserializes programs; it never needs an accelerator.
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    host = (ray_address or "127.0.0.1").rsplit(":", 1)[0]
+    if host in ("127.0.0.1", "localhost"):
+        # Ray would otherwise swap a loopback address for this machine's public IP.
+        os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+
+
+def run(config: ServerConfig) -> int:
+    """Runs a controller until SIGTERM/SIGINT; returns the process exit code."""
+    from controller.simcluster import SimulationProcess
+
+    prepare_environment(config.ray_address)
+    simulation = None
+    if config.sim:
+        log.info("starting simulated cluster %s", config.sim)
+        simulation = SimulationProcess(config.sim, host_store_mb=config.host_object_store_mb,
+                                       head_store_mb=config.head_object_store_mb)
+    import ray
+
+    try:
+        ray.init(address=simulation.address if simulation else config.ray_address,
+                 namespace="slicewise", log_to_driver=False, logging_level=logging.WARNING)
+        return asyncio.run(_serve(config, simulation.pid if simulation else 0))
+    finally:
+        ray.shutdown()
+        if simulation is not None:
+            simulation.stop()
+        log.info("controller stopped")
+
+
+async def _serve(config: ServerConfig, simulation_pid: int) -> int:
+    import grpc
+
+    from controller.core import Controller
+    from controller.servicer import ControllerServicer
+    from protos import controller_pb2_grpc as pb_grpc
+
+    controller = Controller(simulated=bool(config.sim), worker_window=config.worker_window)
+    await controller.start()
+    server = grpc.aio.server()
+    pb_grpc.add_ControllerServicer_to_server(
+        ControllerServicer(controller, simulation_pid=simulation_pid), server)
+    try:
+        port = server.add_insecure_port(f"{config.host}:{config.port}")
+    except RuntimeError:
+        port = 0
+    if port == 0:
+        log.error("cannot listen on %s:%d (in use?); pick another --port", config.host,
+                  config.port)
+        await controller.shutdown()
+        return 2
+    await server.start()
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    slices = len(controller.scheduler.inventory)
+    # Tests and scripts wait for this exact line.
+    print(f"slicewise controller listening on {config.host}:{port} ({slices} slices)",
+          flush=True)
+    await stop.wait()
+    log.info("shutting down: releasing %d gang(s)", len(controller.gangs))
+    await server.stop(grace=2)
+    await controller.shutdown()
+    return 0
+
+
+def configure_logging(level: int = logging.INFO) -> None:
+    logging.basicConfig(level=level, stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")

@@ -1,0 +1,223 @@
+"""The gRPC edge of the controller: protobuf in, calls into `Controller`, protobuf out.
+
+Each error class maps to one status code here and nowhere else; an unexpected error
+becomes INTERNAL for that one call and the controller keeps serving everyone else.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import grpc
+import numpy as np
+
+from controller import wire
+from controller.core import VERSION, Controller
+from controller.errors import (
+    CapacityError,
+    DeadlineError,
+    FailedPreconditionError,
+    InvalidRequestError,
+    NotFoundError,
+    WorkerError,
+)
+from controller.gang import Gang
+from protos import controller_pb2 as pb
+from protos import controller_pb2_grpc as pb_grpc
+
+log = logging.getLogger(__name__)
+
+_CODES: list[tuple[type[Exception], grpc.StatusCode]] = [
+    (InvalidRequestError, grpc.StatusCode.INVALID_ARGUMENT),
+    (NotFoundError, grpc.StatusCode.NOT_FOUND),
+    (FailedPreconditionError, grpc.StatusCode.FAILED_PRECONDITION),
+    (CapacityError, grpc.StatusCode.RESOURCE_EXHAUSTED),
+    (DeadlineError, grpc.StatusCode.DEADLINE_EXCEEDED),
+    (WorkerError, grpc.StatusCode.UNAVAILABLE),
+]
+
+
+def status_code_for(exc: BaseException) -> grpc.StatusCode:
+    for cls, code in _CODES:
+        if isinstance(exc, cls):
+            return code
+    return grpc.StatusCode.INTERNAL
+
+
+async def _abort(context: grpc.aio.ServicerContext, method: str, exc: Exception) -> None:
+    code = status_code_for(exc)
+    if code is grpc.StatusCode.INTERNAL:
+        log.exception("%s failed unexpectedly", method)
+        message = f"internal error in {method}: {type(exc).__name__}: {exc}"
+    else:
+        log.info("%s refused (%s): %s", method, code.name, exc)
+        message = str(exc)
+    await context.abort(code, message)
+
+
+def _unary(fn: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(fn)
+    async def wrapper(self: ControllerServicer, request: Any, context: grpc.aio.ServicerContext
+                      ) -> Any:
+        try:
+            return await fn(self, request, context)
+        except Exception as exc:  # noqa: BLE001 - mapped to a status, never crashes the server
+            await _abort(context, fn.__name__, exc)
+    return wrapper
+
+
+def _streaming(fn: Callable[..., AsyncIterator[Any]]) -> Callable[..., AsyncIterator[Any]]:
+    @functools.wraps(fn)
+    async def wrapper(self: ControllerServicer, request: Any, context: grpc.aio.ServicerContext
+                      ) -> AsyncIterator[Any]:
+        try:
+            async for item in fn(self, request, context):
+                yield item
+        except Exception as exc:  # noqa: BLE001
+            await _abort(context, fn.__name__, exc)
+    return wrapper
+
+
+def gang_to_pb(gang: Gang) -> pb.GangInfo:
+    return pb.GangInfo(
+        gang_id=gang.gang_id, slice_type=gang.slice_type.name, num_slices=gang.shape.num_slices,
+        hosts_per_slice=gang.shape.hosts_per_slice, chips_per_host=gang.shape.chips_per_host,
+        slices=[s.name for s in gang.slices], platform=gang.platform,
+        topology=gang.slice_type.topology,
+    )
+
+
+class ControllerServicer(pb_grpc.ControllerServicer):
+    """Implements the Controller service of protos/controller.proto."""
+
+    def __init__(self, controller: Controller, *, simulation_pid: int = 0) -> None:
+        self.controller = controller
+        self.simulation_pid = simulation_pid
+
+    @_unary
+    async def Health(self, request: pb.HealthRequest, context: Any) -> pb.HealthResponse:
+        c = self.controller
+        return pb.HealthResponse(version=VERSION, simulated=c.simulated,
+                                 uptime_s=time.time() - c.started_at, num_gangs=len(c.gangs),
+                                 simulation_pid=self.simulation_pid)
+
+    @_unary
+    async def GetClusterInfo(self, request: pb.ClusterInfoRequest, context: Any
+                             ) -> pb.ClusterInfo:
+        c = self.controller
+        info = pb.ClusterInfo(simulated=c.simulated, platform="cpu" if c.simulated else "tpu")
+        for s in sorted(c.scheduler.inventory.values(), key=lambda s: s.name):
+            holder = c.scheduler.holder(s.name) or ""
+            state = (pb.SLICE_STATE_HELD if holder else
+                     pb.SLICE_STATE_FREE if s.intact else pb.SLICE_STATE_BROKEN)
+            info.slices.append(pb.SliceInfo(
+                name=s.name, slice_type=s.type.name, topology=s.type.topology, chips=s.type.chips,
+                state=state, holder_gang=holder,
+                hosts=[pb.HostInfo(node_id=h.node_id, address=h.address, worker_id=h.worker_id,
+                                   chips=h.chips, alive=h.alive) for h in s.hosts],
+            ))
+        info.slice_types.extend(sorted({s.type.name for s in c.scheduler.inventory.values()}))
+        for gang in c.gangs.values():
+            info.gangs.append(pb.GangSummary(
+                gang_id=gang.gang_id, client=gang.client, slice_type=gang.slice_type.name,
+                slices=[s.name for s in gang.slices], dispatched=gang.dispatcher.dispatched,
+                completed=gang.dispatcher.completed, live_arrays=c.arrays.count(gang.gang_id),
+            ))
+        return info
+
+    @_unary
+    async def AllocateGang(self, request: pb.AllocateGangRequest, context: Any) -> pb.GangInfo:
+        gang = await self.controller.allocate(
+            request.num_slices, request.slice_type, timeout_s=request.timeout_s,
+            client=request.client or (context.peer() or ""),
+        )
+        return gang_to_pb(gang)
+
+    @_unary
+    async def ReleaseGang(self, request: pb.ReleaseGangRequest, context: Any
+                          ) -> pb.ReleaseGangResponse:
+        await self.controller.release(request.gang_id)
+        return pb.ReleaseGangResponse()
+
+    @_unary
+    async def RegisterProgram(self, request_iterator: AsyncIterator[pb.ProgramChunk],
+                              context: Any) -> pb.ProgramInfo:
+        header: pb.ProgramHeader | None = None
+        parts: list[bytes] = []
+        async for chunk in request_iterator:
+            if header is None:
+                if not chunk.HasField("header"):
+                    raise InvalidRequestError("RegisterProgram's first message must be a header")
+                header = chunk.header
+                self.controller.get_gang(header.gang_id)  # fail fast, before the bytes
+            elif chunk.HasField("data"):
+                parts.append(chunk.data)
+        if header is None:
+            raise InvalidRequestError("RegisterProgram received no messages")
+        program = await self.controller.register_program(
+            header.gang_id, header.name, wire.mesh_from_pb(header.mesh), b"".join(parts))
+        return pb.ProgramInfo(
+            program_id=program.program_id, name=program.name,
+            inputs=[wire.spec_to_pb(s) for s in program.inputs],
+            outputs=[wire.spec_to_pb(s) for s in program.outputs],
+            num_devices=program.num_devices,
+        )
+
+    @_unary
+    async def PutArray(self, request_iterator: AsyncIterator[pb.PutChunk], context: Any
+                       ) -> pb.ArrayInfo:
+        target = None
+        offset = 0
+        async for chunk in request_iterator:
+            if target is None:
+                if not chunk.HasField("header"):
+                    raise InvalidRequestError("PutArray's first message must be a header")
+                h = chunk.header
+                target = self.controller.begin_put(
+                    h.gang_id, wire.spec_from_pb(h.spec), wire.sharding_from_pb(h.sharding))
+                continue
+            data = chunk.data
+            if offset + len(data) > len(target.buffer):
+                raise InvalidRequestError(
+                    f"PutArray sent more than the {len(target.buffer)} bytes a {target.spec} "
+                    "array has"
+                )
+            target.buffer[offset:offset + len(data)] = np.frombuffer(data, dtype=np.uint8)
+            offset += len(data)
+        if target is None:
+            raise InvalidRequestError("PutArray received no messages")
+        if offset != len(target.buffer):
+            raise InvalidRequestError(
+                f"PutArray sent {offset} bytes, but a {target.spec} array has "
+                f"{len(target.buffer)}"
+            )
+        return wire.array_to_pb(await self.controller.finish_put(target))
+
+    @_unary
+    async def Execute(self, request: pb.ExecuteRequest, context: Any) -> pb.ExecuteResponse:
+        seq, outputs = self.controller.execute(
+            request.gang_id, request.program_id, list(request.inputs))
+        return pb.ExecuteResponse(outputs=[wire.array_to_pb(r) for r in outputs], sequence=seq)
+
+    @_streaming
+    async def FetchArray(self, request: pb.FetchArrayRequest, context: Any
+                         ) -> AsyncIterator[pb.FetchChunk]:
+        record, array = await self.controller.fetch(request.handle, request.timeout_s)
+        yield pb.FetchChunk(header=wire.array_to_pb(record))
+        for piece in wire.chunks(memoryview(array.reshape(-1).view(np.uint8))):
+            yield pb.FetchChunk(data=bytes(piece))
+
+    @_unary
+    async def WaitArrays(self, request: pb.WaitArraysRequest, context: Any
+                         ) -> pb.WaitArraysResponse:
+        records = await self.controller.wait(list(request.handles), request.timeout_s)
+        return pb.WaitArraysResponse(arrays=[wire.array_to_pb(r) for r in records])
+
+    @_unary
+    async def DeleteArrays(self, request: pb.DeleteArraysRequest, context: Any
+                           ) -> pb.DeleteArraysResponse:
+        return pb.DeleteArraysResponse(deleted=self.controller.delete(list(request.handles)))

@@ -1,0 +1,69 @@
+"""Shared, real multi-process fixtures: one simulated cluster + controller for the whole
+session (started on first use), clients and gangs per module.
+
+Every process started here runs in a session of its own and is stopped (SIGTERM, then
+SIGKILL) at teardown, also when tests fail; a failing test shows the tail of the
+controller's log.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+import slicewise
+from controller.launch import ControllerProcess
+
+# Two single-host slices for multislice work, one 4-host slice for multi-host work.
+SHARED_SIM = "2xv5litepod-4,v5litepod-16"
+
+_LOGS: list[Path] = []
+
+
+def log_tail(path: Path, lines: int = 60) -> str:
+    try:
+        return "".join(path.read_text(errors="replace").splitlines(keepends=True)[-lines:])
+    except OSError as exc:
+        return f"(no log: {exc})"
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    report = outcome.get_result()
+    if report.failed:
+        for path in _LOGS:
+            report.sections.append((f"controller log {path.name} (tail)", log_tail(path)))
+
+
+def start_controller(tmp_path_factory, name: str, **kwargs) -> ControllerProcess:
+    """A controller subprocess whose stderr goes to a log shown when a test fails."""
+    path = Path(tmp_path_factory.mktemp(name)) / f"{name}.log"
+    _LOGS.append(path)
+    with open(path, "w") as log:
+        return ControllerProcess(stderr=log, **kwargs)
+
+
+@pytest.fixture(scope="session")
+def controller(tmp_path_factory):
+    proc = start_controller(tmp_path_factory, "shared-controller", sim=SHARED_SIM)
+    try:
+        yield proc
+    finally:
+        code = proc.stop()
+        assert code == 0, f"the shared controller exited with {code}"
+
+
+@pytest.fixture(scope="module")
+def client(controller):
+    with slicewise.connect(controller.address, name=f"tests-{os.getpid()}") as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def two_slices(client):
+    """A gang of both v5litepod-4 slices: 8 chips on 2 hosts, one per slice."""
+    with client.allocate(slices=2, slice_type="v5litepod-4", timeout=120) as gang:
+        yield gang

@@ -1,0 +1,55 @@
+"""The process environment a host worker needs, computed by the controller before the
+worker starts (JAX reads these once, at initialisation, so they cannot be set later)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# libtpu's multislice coordinator port (the default that ray.util.tpu uses too).
+MEGASCALE_PORT = "8081"
+
+
+@dataclass(frozen=True)
+class HostPlacement:
+    """Where one worker sits in its gang."""
+
+    slice_index: int
+    host_index: int
+    num_slices: int
+    hosts_per_slice: int
+    chips_per_host: int
+
+    @property
+    def process_id(self) -> int:
+        return self.slice_index * self.hosts_per_slice + self.host_index
+
+
+def simulated_host_env(placement: HostPlacement) -> dict[str, str]:
+    """CPU XLA with one device per simulated chip, and quiet logs."""
+    return {
+        "JAX_PLATFORMS": "cpu",
+        "XLA_FLAGS": f"--xla_force_host_platform_device_count={placement.chips_per_host}",
+        "TF_CPP_MIN_LOG_LEVEL": "2",
+        # XLA's in-process threads would otherwise assume every core is theirs.
+        "OMP_NUM_THREADS": "1",
+    }
+
+
+def tpu_host_env(placement: HostPlacement, megascale_coordinator: str) -> dict[str, str]:
+    """What libtpu needs on a real TPU VM for a multislice job.
+
+    `megascale_coordinator` is the address of host 0 of slice 0. The variable names are
+    the ones `ray.util.tpu.get_tpu_coordinator_env_vars` produces.
+    """
+    env = {
+        "JAX_PLATFORMS": "tpu",
+        "TPU_WORKER_ID": str(placement.host_index),
+    }
+    if placement.num_slices > 1:
+        env |= {
+            "MEGASCALE_COORDINATOR_ADDRESS": megascale_coordinator,
+            "MEGASCALE_PORT": MEGASCALE_PORT,
+            "MEGASCALE_NUM_SLICES": str(placement.num_slices),
+            "MEGASCALE_SLICE_ID": str(placement.slice_index),
+        }
+    return env

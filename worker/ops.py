@@ -1,0 +1,71 @@
+"""The operations a controller sends to a gang's workers, each stamped with its place in
+the gang's sequence. Plain picklable data: Ray carries them, numpy payloads zero-copy."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from controller.mesh import Index, MeshSpec, ShardingSpec
+
+
+@dataclass(frozen=True)
+class PutOp:
+    """Store an array whose local pieces travel with the op."""
+
+    seq: int
+    handle: str
+    shape: tuple[int, ...]
+    dtype: str
+    sharding: ShardingSpec
+    pieces: list[tuple[Index, np.ndarray]] = field(repr=False)
+
+
+@dataclass(frozen=True)
+class LoadOp:
+    """Deserialize a jax.export artifact and keep it ready to call on `mesh`."""
+
+    seq: int
+    program_id: str
+    serialized: bytes = field(repr=False)
+    mesh: MeshSpec
+
+
+@dataclass(frozen=True)
+class ExecOp:
+    """Call a loaded program on stored arrays and store its outputs."""
+
+    seq: int
+    program_id: str
+    inputs: tuple[str, ...]
+    outputs: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class DeleteOp:
+    """Drop arrays from the buffer table."""
+
+    seq: int
+    handles: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class PinOp:
+    """Hold a reference to an array at this point of the sequence so that a later
+    out-of-band read sees exactly it, even if the handle is deleted meanwhile."""
+
+    seq: int
+    handle: str
+    pin_id: str
+
+
+Op = PutOp | LoadOp | ExecOp | DeleteOp | PinOp
+
+
+@dataclass(frozen=True)
+class OpResult:
+    """What became of one op on one worker: `error` is None when it succeeded."""
+
+    seq: int
+    error: str | None = None

@@ -1,0 +1,211 @@
+"""The JAX side of a host worker: joins the gang's jax.distributed cluster, builds
+meshes, and applies the controller's operations to the buffer table."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from controller.mesh import GangShape, Index, MeshSpec, ShardingSpec, index_key, normalize_index
+from worker.buffers import BufferTable
+from worker.ops import DeleteOp, ExecOp, LoadOp, Op, PinOp, PutOp
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Program:
+    exported: Any
+    call: Any
+    in_shardings: tuple[Any, ...]
+    num_outputs: int
+
+
+class _Outputs:
+    """Pending device work: the outputs of one launched program."""
+
+    def __init__(self, arrays: list[Any]) -> None:
+        self._arrays = arrays
+
+    def wait(self) -> None:
+        for a in self._arrays:
+            a.block_until_ready()
+
+
+class JaxRuntime:
+    """One process's view of a gang: its devices, meshes, programs and arrays."""
+
+    def __init__(self, gang: GangShape, process_id: int) -> None:
+        self.gang = gang
+        self.process_id = process_id
+        self.buffers = BufferTable()
+        self._meshes: dict[MeshSpec, Any] = {}
+        self._programs: dict[str, _Program] = {}
+        self._pins: dict[str, Any] = {}
+        self._devices: list[Any] = []
+
+    # -- formation -----------------------------------------------------------------
+
+    def initialize(self, coordinator: str, *, partition_index: int, bind_address: str | None,
+                   timeout_s: int) -> dict[str, Any]:
+        """Joins the gang's jax.distributed cluster; blocks until every process has joined."""
+        import jax
+
+        if jax.config.jax_platforms in (None, "", "cpu"):
+            jax.config.update("jax_cpu_collectives_implementation", "gloo")
+        started = time.monotonic()
+        jax.distributed.initialize(
+            coordinator_address=coordinator,
+            num_processes=self.gang.num_processes,
+            process_id=self.process_id,
+            partition_index=partition_index,
+            coordinator_bind_address=bind_address,
+            initialization_timeout=timeout_s,
+        )
+        devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
+        if len(devices) != self.gang.num_devices:
+            raise RuntimeError(
+                f"jax.distributed formed with {len(devices)} devices, expected "
+                f"{self.gang.num_devices} ({self.gang})"
+            )
+        local = [d for d in devices if d.process_index == jax.process_index()]
+        if len(local) != self.gang.chips_per_host:
+            raise RuntimeError(
+                f"this host has {len(local)} local devices, expected {self.gang.chips_per_host}"
+            )
+        self._devices = devices
+        return {
+            "process_index": jax.process_index(),
+            "platform": devices[0].platform,
+            "num_devices": len(devices),
+            "local_devices": [str(d) for d in local],
+            "seconds": round(time.monotonic() - started, 3),
+        }
+
+    def mesh(self, spec: MeshSpec) -> Any:
+        from jax.sharding import Mesh
+
+        mesh = self._meshes.get(spec)
+        if mesh is None:
+            grid = spec.device_grid(self.gang)
+            devices = np.empty(grid.shape, dtype=object)
+            for pos in np.ndindex(*grid.shape):
+                devices[pos] = self._devices[int(grid[pos])]
+            mesh = self._meshes[spec] = Mesh(devices, spec.names)
+        return mesh
+
+    def named_sharding(self, spec: ShardingSpec) -> Any:
+        from jax.sharding import NamedSharding, PartitionSpec
+
+        return NamedSharding(self.mesh(spec.mesh), PartitionSpec(*spec.partition_spec()))
+
+    # -- operations ----------------------------------------------------------------
+
+    def apply(self, op: Op) -> _Outputs | None:
+        """Applies one operation; returns the pending device work, if any."""
+        if isinstance(op, ExecOp):
+            return self._execute(op)
+        if isinstance(op, PutOp):
+            self._put(op)
+        elif isinstance(op, LoadOp):
+            self._load(op)
+        elif isinstance(op, DeleteOp):
+            self.buffers.delete(op.handles)
+        elif isinstance(op, PinOp):
+            self._pins[op.pin_id] = self.buffers.get(op.handle)
+        else:
+            raise TypeError(f"unknown operation {op!r}")
+        return None
+
+    def on_failure(self, op: Op, error: str) -> None:
+        """Marks what a failed operation should have produced as failed, too."""
+        if isinstance(op, ExecOp):
+            self.buffers.fail(op.outputs, f"program {op.program_id[:12]} failed: {error}")
+        elif isinstance(op, PutOp):
+            self.buffers.fail((op.handle,), f"upload failed: {error}")
+
+    def _put(self, op: PutOp) -> None:
+        import jax
+
+        sharding = self.named_sharding(op.sharding)
+        pieces = {index_key(idx, op.shape): data for idx, data in op.pieces}
+        arrays = []
+        for device, index in sharding.addressable_devices_indices_map(op.shape).items():
+            key = index_key(index, op.shape)
+            if key not in pieces:
+                raise RuntimeError(
+                    f"upload of {op.handle} is missing the piece {key} for {device}; "
+                    "controller and worker disagree on the sharding"
+                )
+            piece = pieces[key]
+            if not piece.flags.writeable:
+                # A zero-copy view into Ray's object store: XLA:CPU may alias host memory,
+                # and the store must not stay pinned for the array's whole life.
+                piece = piece.copy()
+            arrays.append(jax.device_put(piece, device))
+        self.buffers.put(
+            op.handle, jax.make_array_from_single_device_arrays(op.shape, sharding, arrays)
+        )
+
+    def _load(self, op: LoadOp) -> None:
+        import jax
+        from jax import export
+
+        if op.program_id in self._programs:
+            return
+        exported = export.deserialize(bytearray(op.serialized))
+        mesh = self.mesh(op.mesh)
+        self._programs[op.program_id] = _Program(
+            exported=exported,
+            call=jax.jit(exported.call),
+            in_shardings=tuple(exported.in_shardings_jax(mesh)),
+            num_outputs=len(exported.out_avals),
+        )
+
+    def _execute(self, op: ExecOp) -> _Outputs:
+        import jax
+
+        program = self._programs.get(op.program_id)
+        if program is None:
+            raise RuntimeError(f"program {op.program_id[:12]} was never loaded on this worker")
+        args = []
+        for handle, want in zip(op.inputs, program.in_shardings, strict=True):
+            arg = self.buffers.get(handle)
+            if want is not None and not arg.sharding.is_equivalent_to(want, arg.ndim):
+                arg = jax.device_put(arg, want)
+            args.append(arg)
+        outputs = jax.tree.leaves(program.call(*args))
+        if len(outputs) != len(op.outputs):
+            raise RuntimeError(
+                f"program returned {len(outputs)} arrays, controller expected {len(op.outputs)}"
+            )
+        for handle, array in zip(op.outputs, outputs, strict=True):
+            self.buffers.put(handle, array)
+        return _Outputs(outputs)
+
+    # -- reads ---------------------------------------------------------------------
+
+    def read_pinned(self, pin_id: str) -> list[tuple[Index, np.ndarray]]:
+        """This host's distinct pieces of a pinned array (one copy of each replica set)."""
+        array = self._pins.pop(pin_id)
+        array.block_until_ready()
+        return [
+            (normalize_index(s.index, array.shape), np.asarray(s.data))
+            for s in array.addressable_shards
+            if s.replica_id == 0
+        ]
+
+    def drop_pin(self, pin_id: str) -> None:
+        self._pins.pop(pin_id, None)
+
+    def stats(self) -> dict[str, Any]:
+        return {
+            "arrays": len(self.buffers),
+            "bytes": self.buffers.nbytes(),
+            "programs": len(self._programs),
+            "pins": len(self._pins),
+        }
