@@ -197,7 +197,7 @@ class Gang:
 
     def put(self, array: Any, sharding: Any = None) -> RemoteArray:
         """Uploads `array`, split as `sharding` says (replicated when None)."""
-        array = np.ascontiguousarray(array)
+        array = np.require(array, requirements="C")  # keeps 0-d arrays 0-d
         spec = ArraySpec.of(array.shape, array.dtype)
         sharding_spec = self._sharding_spec(sharding, array.ndim)
         data = memoryview(array.reshape(-1).view(np.uint8))
@@ -260,6 +260,11 @@ class Gang:
         in_shardings = None if isinstance(exported, bytes | bytearray) else exported
         return Program(self, info, mesh, in_shardings)
 
+    def stats(self) -> pb.GangStats:
+        """Dispatch counters and, per worker, arrays held and executor window use."""
+        return _call(self.client.stub.GetGangStats, pb.GangStatsRequest(gang_id=self.id),
+                     timeout=60)
+
     # -- lifetime -------------------------------------------------------------------
 
     def release(self) -> None:
@@ -286,13 +291,14 @@ class Program:
         self.inputs = [wire.spec_from_pb(s) for s in info.inputs]
         self.outputs = [wire.spec_from_pb(s) for s in info.outputs]
         self._exported = exported
+        self._out_sharding_specs = self._out_shardings()
 
     def __call__(self, *args: Any) -> Any:
         handles = [self._as_remote(i, a).handle for i, a in enumerate(args)]
         reply = _call(self.gang.client.stub.Execute, pb.ExecuteRequest(
             gang_id=self.gang.id, program_id=self.id, inputs=handles), timeout=60)
         outs = [RemoteArray(self.gang, info, sharding)
-                for info, sharding in zip(reply.outputs, self._out_shardings(), strict=True)]
+                for info, sharding in zip(reply.outputs, self._out_sharding_specs, strict=True)]
         return outs[0] if len(outs) == 1 else tuple(outs)
 
     def _out_shardings(self) -> list[ShardingSpec | None]:

@@ -253,11 +253,14 @@ class Controller:
         record.require_usable()
         pin_id = uuid.uuid4().hex
         _, done = gang.dispatcher.submit(lambda seq: PinOp(seq, handle, pin_id))
+        started = time.perf_counter()
         try:
             error = await asyncio.wait_for(done, timeout_s)
             if error:
                 raise FailedPreconditionError(f"array {handle} is unavailable: {error}")
+            pinned = time.perf_counter()
             pieces = await asyncio.wait_for(gang.read(pin_id), timeout_s)
+            read = time.perf_counter()
         except TimeoutError:
             await gang.drop_pin(pin_id)
             raise DeadlineError(
@@ -265,6 +268,8 @@ class Controller:
                 "longer timeout"
             ) from None
         result = await asyncio.to_thread(_assemble, record.spec, pieces)
+        log.debug("fetch %s (%s): pin %.3f s, read %.3f s, assemble %.3f s", handle, record.spec,
+                  pinned - started, read - pinned, time.perf_counter() - read)
         return record, result
 
     async def wait(self, handles: Sequence[str], timeout_s: float) -> list[ArrayRecord]:
@@ -299,7 +304,7 @@ class Controller:
 def _split(array: np.ndarray, sharding: ShardingSpec, gang: GangShape
            ) -> list[list[tuple[tuple[slice, ...], np.ndarray]]]:
     per_process = sharding.process_pieces(array.shape, gang)
-    return [[(idx, np.ascontiguousarray(array[idx])) for idx in per_process[p]]
+    return [[(idx, np.asarray(array[idx], order="C")) for idx in per_process[p]]
             for p in range(gang.num_processes)]
 
 

@@ -49,7 +49,7 @@ class Dispatcher:
         self._on_broken = on_broken
         self._next_seq = 1
         self._queue: deque[_Item] = deque()
-        self._outstanding: set[asyncio.Task[None]] = set()
+        self._outstanding: dict[asyncio.Task[None], list[_Item]] = {}
         self._wake = asyncio.Event()
         self._pump_task: asyncio.Task[None] | None = None
         self.broken: str | None = None
@@ -87,9 +87,12 @@ class Dispatcher:
         self._break(reason, failure=False)
         if self._pump_task is not None:
             self._pump_task.cancel()
-        for task in list(self._outstanding):
+        outstanding = dict(self._outstanding)
+        for task, batch in outstanding.items():
             task.cancel()
-        await asyncio.gather(*self._outstanding, return_exceptions=True)
+            # A task cancelled before its first step never runs its own clean-up.
+            self._fail(batch, reason)
+        await asyncio.gather(*outstanding, return_exceptions=True)
 
     async def _pump(self) -> None:
         while self.broken is None:
@@ -99,8 +102,7 @@ class Dispatcher:
                 batch = [self._queue.popleft()
                          for _ in range(min(self._max_batch, len(self._queue)))]
                 task = asyncio.create_task(self._deliver(batch))
-                self._outstanding.add(task)
-                task.add_done_callback(self._outstanding.discard)
+                self._outstanding[task] = batch
 
     async def _deliver(self, batch: list[_Item]) -> None:
         try:
@@ -116,6 +118,8 @@ class Dispatcher:
             self._fail(batch, self.broken or str(exc))
             return
         finally:
+            # Leave the window before waking the pump, or it would still see it full.
+            self._outstanding.pop(asyncio.current_task(), None)  # type: ignore[arg-type]
             self._wake.set()
         for i, item in enumerate(batch):
             errors = [r[i].error for r in replies if r[i].error]

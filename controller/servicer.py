@@ -221,3 +221,16 @@ class ControllerServicer(pb_grpc.ControllerServicer):
     async def DeleteArrays(self, request: pb.DeleteArraysRequest, context: Any
                            ) -> pb.DeleteArraysResponse:
         return pb.DeleteArraysResponse(deleted=self.controller.delete(list(request.handles)))
+
+    @_unary
+    async def GetGangStats(self, request: pb.GangStatsRequest, context: Any) -> pb.GangStats:
+        gang = self.controller.get_gang(request.gang_id)
+        stats = await gang.worker_stats()
+        d = gang.dispatcher
+        return pb.GangStats(
+            gang_id=gang.gang_id, dispatched=d.dispatched, completed=d.completed, queued=d.queued,
+            workers=[pb.WorkerStats(
+                process_id=s["process_id"], pid=s["pid"], arrays=s["arrays"], bytes=s["bytes"],
+                programs=s["programs"], next_sequence=s["next_seq"],
+                max_in_flight=s["max_in_flight"], window=s["window"]) for s in stats],
+        )

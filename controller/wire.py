@@ -51,5 +51,6 @@ def array_to_pb(record: ArrayRecord) -> pb.ArrayInfo:
 
 def chunks(data: memoryview, size: int = CHUNK_BYTES):
     """Yields `data` in pieces of at most `size` bytes, without copying."""
+    data = data.cast("B") if data.format != "B" or data.ndim != 1 else data
     for start in range(0, len(data), size):
         yield data[start:start + size]

@@ -44,7 +44,7 @@ def dcn_sum_matmul_reference(x: np.ndarray, w: np.ndarray, num_slices: int) -> n
     return y.reshape(num_slices, -1, y.shape[-1]).sum(0)
 
 
-def slow_increment(mesh: Any, size: int = 256, iters: int = 40, axis: str = "slice") -> Any:
+def slow_increment(mesh: Any, size: int = 256, iters: int = 80, axis: Any = "slice") -> Any:
     """x -> x + 1 after ~`iters` matmuls of `size`^2 per device: a slow step whose answer
     is still exact, for timing asynchronous dispatch.
 

@@ -72,7 +72,10 @@ class HostWorker:
 
     def stats(self) -> dict[str, Any]:
         return self.runtime.stats() | {
+            "process_id": self.process_id,
+            "pid": os.getpid(),
             "next_seq": self.executor.next_seq,
             "max_in_flight": self.executor.max_in_flight,
+            "window": self.executor.window,
             "uptime_s": time.time() - self._started,
         }

@@ -61,6 +61,10 @@ class InOrderExecutor:
             return self._next
 
     @property
+    def window(self) -> int:
+        return self._window
+
+    @property
     def max_in_flight(self) -> int:
         """The most operations ever outstanding at once (for tests and stats)."""
         return self._max_in_flight
@@ -75,11 +79,14 @@ class InOrderExecutor:
         with self._cond:
             if self._stopped:
                 raise RuntimeError("executor is stopped")
-            for op in ops:
-                if op.seq < self._next or op.seq in self._waiting:
+            seen: set[int] = set()
+            for op in ops:  # all or nothing: check the whole batch before queueing any
+                if op.seq < self._next or op.seq in self._waiting or op.seq in seen:
                     raise SequenceError(
                         f"operation {op.seq} was already submitted (next expected {self._next})"
                     )
+                seen.add(op.seq)
+            for op in ops:
                 fut: Future[OpResult] = Future()
                 self._waiting[op.seq] = (op, fut)
                 futures.append(fut)

@@ -1,0 +1,73 @@
+"""`slicewise controller --ray-address`: join a Ray cluster someone else started.
+
+The cluster here is a separately started simulated one (`slicewise cluster --sim`), whose
+nodes carry the same TPU resources and labels as real TPU VMs; the controller finds the
+slices from those labels alone.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+import slicewise
+from controller.launch import stop_process
+from programs.demo import dcn_sum_matmul, dcn_sum_matmul_reference
+from tests.integration.conftest import start_controller
+from tests.integration.test_shutdown import _alive
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture(scope="module")
+def external_cluster():
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "controller.cli", "cluster", "--sim", "2xv5litepod-1"],
+        stdout=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        address = None
+        deadline = time.monotonic() + 180
+        while address is None and time.monotonic() < deadline and proc.poll() is None:
+            line = proc.stdout.readline()
+            if "Ray address" in line:
+                address = line.rsplit(" ", 1)[1].strip()
+        assert address, "the simulated cluster did not report its address"
+        yield proc, address
+    finally:
+        assert stop_process(proc) == 0
+
+
+def test_controller_joins_an_existing_cluster_and_leaves_it_running(tmp_path_factory,
+                                                                    external_cluster):
+    cluster_proc, address = external_cluster
+    controller = start_controller(tmp_path_factory, "ray-address", ray_address=address)
+    try:
+        with slicewise.connect(controller.address) as client:
+            health = client.health()
+            assert health.simulation_pid == 0  # it started no simulation of its own
+            info = client.cluster_info()
+            assert sorted(s.slice_type for s in info.slices) == ["v5litepod-1"] * 2
+            with client.allocate(slices=2, slice_type="v5litepod-1", timeout=120) as gang:
+                mesh = gang.mesh(dcn={"slice": 2}, ici={"data": 1, "model": 1})
+                x = np.arange(24, dtype=np.float32).reshape(4, 6)
+                w = np.ones((6, 2), np.float32)
+                xr = gang.put(x, mesh.sharding(("slice", "data"), None))
+                wr = gang.put(w, mesh.sharding(None, "model"))
+                z = gang.compile(dcn_sum_matmul(mesh.abstract), xr, wr)(xr, wr).fetch()
+                np.testing.assert_allclose(z, dcn_sum_matmul_reference(x, w, 2), rtol=1e-6)
+                worker_pids = [w.pid for w in gang.stats().workers]
+            # A gang still held when the controller stops must not outlive it either.
+            held = client.allocate(slices=1, slice_type="v5litepod-1", timeout=120)
+            worker_pids += [w.pid for w in held.stats().workers]
+        assert controller.stop() == 0
+        deadline = time.monotonic() + 60
+        while any(_alive(p) for p in worker_pids) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert not [p for p in worker_pids if _alive(p)], "workers outlived their controller"
+        assert cluster_proc.poll() is None, "stopping the controller stopped the Ray cluster"
+    finally:
+        controller.stop()

@@ -1,0 +1,208 @@
+"""InOrderExecutor: strict sequence order, a bounded in-flight window, failures reported per op."""
+
+import threading
+
+import pytest
+
+from worker.executor import InOrderExecutor, SequenceError
+from worker.ops import DeleteOp, ExecOp
+
+TIMEOUT = 5.0  # the longest any test waits for something that should happen
+QUIET = 0.05  # how long a test watches for something that must not happen
+
+
+def op(seq):
+    return DeleteOp(seq, ())
+
+
+class Work:
+    """A Pending: `wait` blocks until the test opens its gate, then maybe raises."""
+
+    def __init__(self, device, seq, error):
+        self.device, self.seq, self.error = device, seq, error
+        self.gate = threading.Event()
+
+    def wait(self):
+        if not self.gate.wait(TIMEOUT):
+            raise TimeoutError(f"gate of op {self.seq} was never opened")
+        self.device.finished(self)
+        if self.error is not None:
+            raise self.error
+
+
+class FakeDevice:
+    """The executor's `apply`: records launches and how many launched ops are unfinished."""
+
+    def __init__(self, *, gated=False, apply_errors=None, wait_errors=None):
+        self.gated = gated
+        self.apply_errors = apply_errors or {}
+        self.wait_errors = wait_errors or {}
+        self.launched = []
+        self.work = {}
+        self.running = 0
+        self.most_running = 0
+        self._cond = threading.Condition()
+
+    def __call__(self, operation):
+        if operation.seq in self.apply_errors:
+            raise self.apply_errors[operation.seq]
+        work = Work(self, operation.seq, self.wait_errors.get(operation.seq))
+        if not self.gated:
+            work.gate.set()
+        with self._cond:
+            self.launched.append(operation.seq)
+            self.work[operation.seq] = work
+            self.running += 1
+            self.most_running = max(self.most_running, self.running)
+            self._cond.notify_all()
+        return work
+
+    def finished(self, work):
+        with self._cond:
+            self.running -= 1
+
+    def open(self, seq):
+        self.work[seq].gate.set()
+
+    def open_all(self):
+        with self._cond:
+            for work in self.work.values():
+                work.gate.set()
+
+    def wait_launched(self, seq):
+        with self._cond:
+            assert self._cond.wait_for(lambda: seq in self.launched, TIMEOUT), (
+                f"op {seq} was never launched; launched {self.launched}")
+
+    def stays_unlaunched(self, seq):
+        with self._cond:
+            return not self._cond.wait_for(lambda: seq in self.launched, QUIET)
+
+
+@pytest.fixture
+def start():
+    """Starts executors and stops them (gates opened first) when the test ends."""
+    started = []
+
+    def make(device, **kwargs):
+        executor = InOrderExecutor(device, **kwargs)
+        started.append((device, executor))
+        return executor
+
+    yield make
+    for device, executor in started:
+        device.open_all()
+        executor.stop()
+
+
+def results(futures):
+    return [f.result(timeout=TIMEOUT) for f in futures]
+
+
+def test_ops_submitted_out_of_order_are_applied_in_seq_order(start):
+    device = FakeDevice()
+    executor = start(device)
+    futures = executor.submit([op(3)]) + executor.submit([op(1), op(4)]) + executor.submit([op(2)])
+    assert [r.seq for r in results(futures)] == [3, 1, 4, 2]
+    assert device.launched == [1, 2, 3, 4]
+    assert executor.next_seq == 5
+
+
+def test_nothing_is_applied_until_the_gap_in_the_sequence_is_filled(start):
+    device = FakeDevice()
+    executor = start(device)
+    later = executor.submit([op(2), op(3)])
+    assert device.stays_unlaunched(2)
+    assert not any(f.done() for f in later)
+    results(executor.submit([op(1)]) + later)
+    assert device.launched == [1, 2, 3]
+
+
+def test_reused_sequence_numbers_raise_sequence_error(start):
+    executor = start(FakeDevice())
+    executor.run([op(1), op(2)], timeout=TIMEOUT)
+    with pytest.raises(SequenceError, match="operation 2 was already submitted"):
+        executor.submit([op(2)])
+    executor.submit([op(5)])  # queued behind the gap at 3
+    with pytest.raises(SequenceError, match="operation 5"):
+        executor.submit([op(5)])
+
+
+def test_first_seq_sets_where_the_sequence_starts(start):
+    device = FakeDevice()
+    executor = start(device, first_seq=10)
+    with pytest.raises(SequenceError):
+        executor.submit([op(9)])
+    executor.run([op(10)], timeout=TIMEOUT)
+    assert device.launched == [10]
+
+
+def test_a_rejected_batch_queues_none_of_its_ops(start):
+    executor = start(FakeDevice())
+    with pytest.raises(SequenceError):
+        executor.submit([op(2), op(2)])
+    executor.submit([op(2)])  # the rejected batch must not have taken seq 2
+
+
+def test_window_below_one_is_refused():
+    with pytest.raises(ValueError, match="window must be >= 1"):
+        InOrderExecutor(FakeDevice(), window=0)
+
+
+def test_in_flight_ops_never_exceed_the_window(start):
+    device = FakeDevice()
+    executor = start(device, window=3)
+    executor.run([op(s) for s in range(1, 21)], timeout=TIMEOUT)
+    assert device.launched == list(range(1, 21))
+    assert executor.max_in_flight == 3
+    assert device.most_running == 3
+
+
+def test_launching_beyond_the_window_waits_for_the_oldest_op(start):
+    device = FakeDevice(gated=True)
+    executor = start(device, window=2)
+    first, second, third = executor.submit([op(1), op(2), op(3)])
+    device.wait_launched(2)
+    assert device.stays_unlaunched(3)
+    device.open(2)  # the newer op finishing does not make room: the oldest must
+    assert device.stays_unlaunched(3)
+    assert not second.done()
+    device.open(1)
+    device.wait_launched(3)
+    assert first.result(timeout=TIMEOUT).error is None
+    assert second.result(timeout=TIMEOUT).error is None
+    assert not third.done()
+    device.open(3)
+    assert third.result(timeout=TIMEOUT).error is None
+    assert device.most_running == 2
+
+
+def test_apply_raising_fails_that_op_and_calls_on_failure(start):
+    failures = []
+    device = FakeDevice(apply_errors={2: ValueError("bad input")})
+    executor = start(device, on_failure=lambda o, message: failures.append((o, message)))
+    got = executor.run([op(1), op(2), op(3)], timeout=TIMEOUT)
+    assert [r.error for r in got] == [None, "ValueError: bad input", None]
+    assert failures == [(op(2), "ValueError: bad input")]
+    assert device.launched == [1, 3]
+
+
+def test_pending_wait_raising_fails_that_op_and_calls_on_failure(start):
+    failures = []
+    exec_op = ExecOp(2, "prog", ("x",), ("y",))
+    executor = start(FakeDevice(wait_errors={2: RuntimeError("device lost")}),
+                     on_failure=lambda o, message: failures.append((o, message)))
+    got = executor.run([op(1), exec_op, op(3)], timeout=TIMEOUT)
+    assert [r.error for r in got] == [None, "RuntimeError: device lost", None]
+    assert failures == [(exec_op, "RuntimeError: device lost")]
+
+
+def test_stop_fails_queued_ops_and_refuses_new_ones():
+    device = FakeDevice()
+    executor = InOrderExecutor(device)
+    queued = executor.submit([op(2), op(3)])
+    executor.stop()
+    assert [r.error for r in results(queued)] == ["worker is shutting down"] * 2
+    assert device.launched == []
+    with pytest.raises(RuntimeError, match="stopped"):
+        executor.submit([op(1)])

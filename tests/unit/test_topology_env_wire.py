@@ -1,0 +1,206 @@
+"""Slice types and sim specs, worker environments, protobuf conversions, and gRPC status codes."""
+
+import grpc
+import numpy as np
+import pytest
+from ray.util.tpu import get_tpu_coordinator_env_vars
+
+from controller import wire
+from controller.arrays import ArrayRecord, ArraySpec
+from controller.errors import (
+    CapacityError,
+    DeadlineError,
+    FailedPreconditionError,
+    InvalidRequestError,
+    NotFoundError,
+    ProgramMismatchError,
+    WorkerError,
+)
+from controller.mesh import MeshSpec, ShardingSpec
+from controller.servicer import status_code_for
+from controller.topology import SLICE_TYPES, parse_sim_spec, slice_type
+from protos import controller_pb2 as pb
+from worker.env import HostPlacement, simulated_host_env, tpu_host_env
+
+# -- topology --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("name", "chips", "hosts", "per_host", "topology"), [
+    ("v5litepod-1", 1, 1, 1, "1x1"),
+    ("v5litepod-4", 4, 1, 4, "2x2"),
+    ("v5litepod-8", 8, 1, 8, "2x4"),
+    ("v5litepod-16", 16, 4, 4, "4x4"),
+    ("v5litepod-32", 32, 8, 4, "4x8"),
+    ("v5litepod-64", 64, 16, 4, "8x8"),
+    ("v5litepod-128", 128, 32, 4, "8x16"),
+    ("v5litepod-256", 256, 64, 4, "16x16"),
+])
+def test_slice_type_by_name_and_by_topology_follows_the_v5e_table(
+        name, chips, hosts, per_host, topology):
+    by_name = slice_type(name)
+    assert (by_name.chips, by_name.hosts, by_name.chips_per_host) == (chips, hosts, per_host)
+    assert by_name.topology == topology
+    assert slice_type(topology) is by_name
+    assert by_name.head_resource == f"TPU-{name}-head"
+
+
+def test_slice_type_ignores_case_and_surrounding_spaces():
+    assert slice_type("  V5LitePod-16 ") is SLICE_TYPES["v5litepod-16"]
+
+
+def test_an_unknown_slice_type_is_refused_with_the_known_ones_listed():
+    with pytest.raises(InvalidRequestError, match="unknown slice type 'v5litepod-12'") as info:
+        slice_type("v5litepod-12")
+    assert all(name in str(info.value) for name in SLICE_TYPES)
+
+
+@pytest.mark.parametrize(("spec", "names"), [
+    ("2xv5litepod-8", ["v5litepod-8", "v5litepod-8"]),
+    ("v5litepod-16,v5litepod-4", ["v5litepod-16", "v5litepod-4"]),
+    (" 3xv5litepod-1 , v5litepod-8", ["v5litepod-1"] * 3 + ["v5litepod-8"]),
+    ("V5LITEPOD-4", ["v5litepod-4"]),
+])
+def test_parse_sim_spec_returns_one_entry_per_slice_in_order(spec, names):
+    assert [t.name for t in parse_sim_spec(spec)] == names
+
+
+@pytest.mark.parametrize(("spec", "message"), [
+    ("", "bad simulation spec part ''"),
+    ("2*v5litepod-8", "bad simulation spec part '2\\*v5litepod-8'"),
+    ("v4-8", "bad simulation spec part 'v4-8'"),
+    ("2xv5litepod-8,", "bad simulation spec part ''"),
+    ("0xv5litepod-8", "slice count must be at least 1"),
+    ("v5litepod-3", "unknown slice type 'v5litepod-3'"),
+])
+def test_bad_sim_specs_are_refused_with_a_message(spec, message):
+    with pytest.raises(InvalidRequestError, match=message):
+        parse_sim_spec(spec)
+
+
+# -- worker environment ----------------------------------------------------------------
+
+
+def placement(slice_index=1, host_index=2, num_slices=2):
+    return HostPlacement(slice_index, host_index, num_slices, hosts_per_slice=4, chips_per_host=4)
+
+
+def test_placement_process_id_is_slice_major():
+    assert placement(slice_index=1, host_index=2).process_id == 6
+    assert placement(slice_index=0, host_index=3).process_id == 3
+
+
+def test_simulated_env_gives_the_host_one_cpu_device_per_chip():
+    env = simulated_host_env(HostPlacement(0, 0, 1, 1, 8))
+    assert env["JAX_PLATFORMS"] == "cpu"
+    assert "--xla_force_host_platform_device_count=8" in env["XLA_FLAGS"].split()
+
+
+def test_tpu_env_for_one_slice_has_no_megascale_variables():
+    env = tpu_host_env(placement(slice_index=0, host_index=3, num_slices=1), "10.0.0.7")
+    assert env["JAX_PLATFORMS"] == "tpu"
+    assert env["TPU_WORKER_ID"] == "3"
+    assert not [k for k in env if k.startswith("MEGASCALE_")]
+
+
+def test_tpu_env_for_multislice_matches_ray_coordinator_env_vars():
+    env = tpu_host_env(placement(slice_index=1, host_index=2, num_slices=3), "10.0.0.7")
+    megascale = {k: v for k, v in env.items() if k.startswith("MEGASCALE_")}
+    assert megascale == get_tpu_coordinator_env_vars("10.0.0.7", num_slices=3, slice_id=1)
+    assert env["TPU_WORKER_ID"] == "2"
+
+
+# -- protobuf conversions --------------------------------------------------------------
+
+HYBRID = MeshSpec.build({"slice": 2, "data": 2}, {"data": 2, "model": 4})
+
+
+def through_the_wire(message):
+    return type(message).FromString(message.SerializeToString())
+
+
+def test_mesh_round_trips_through_protobuf():
+    assert wire.mesh_from_pb(through_the_wire(wire.mesh_to_pb(HYBRID))) == HYBRID
+
+
+@pytest.mark.parametrize("pspec", [
+    (("slice", "data"), None, "model"), (), (None,), ("model", ("data", "slice")),
+])
+def test_sharding_round_trips_through_protobuf(pspec):
+    sharding = ShardingSpec.from_partition_spec(HYBRID, pspec)
+    back = wire.sharding_from_pb(through_the_wire(wire.sharding_to_pb(sharding)))
+    assert back == sharding
+    assert back.partition_spec() == pspec
+
+
+@pytest.mark.parametrize("spec", [
+    ArraySpec((2, 3), "float32"), ArraySpec((), "int8"), ArraySpec((0, 5), "bfloat16"),
+])
+def test_array_spec_round_trips_through_protobuf(spec):
+    assert wire.spec_from_pb(through_the_wire(wire.spec_to_pb(spec))) == spec
+
+
+def test_array_spec_from_protobuf_is_validated():
+    with pytest.raises(InvalidRequestError, match="unknown dtype"):
+        wire.spec_from_pb(pb.ArraySpec(shape=[2], dtype="floot32"))
+
+
+def test_array_info_carries_state_and_error():
+    record = ArrayRecord("g1/a1", "g1", ArraySpec((4,), "float32"))
+    assert wire.array_to_pb(record).state == pb.ARRAY_STATE_PENDING
+    record.settle("worker 0 died")
+    info = through_the_wire(wire.array_to_pb(record))
+    assert (info.handle, info.state, info.error) == ("g1/a1", pb.ARRAY_STATE_FAILED,
+                                                      "worker 0 died")
+    assert wire.spec_from_pb(info.spec) == record.spec
+
+
+@pytest.mark.parametrize("length", [0, 1, 6, 7, 20])
+def test_chunks_are_at_most_the_chunk_size_and_reassemble_the_original(length):
+    data = bytes(range(length))
+    pieces = list(wire.chunks(memoryview(data), 3))
+    assert all(0 < len(p) <= 3 for p in pieces)
+    assert all(len(p) == 3 for p in pieces[:-1])
+    assert b"".join(pieces) == data
+
+
+def test_chunks_share_memory_with_the_original():
+    data = bytearray(10)
+    pieces = list(wire.chunks(memoryview(data), 4))
+    data[5] = 7
+    assert pieces[1][1] == 7
+
+
+def test_default_chunk_size_stays_under_grpc_message_limit():
+    data = memoryview(bytes(wire.CHUNK_BYTES + 1))
+    assert [len(p) for p in wire.chunks(data)] == [wire.CHUNK_BYTES, 1]
+    assert wire.CHUNK_BYTES < 4 * 2**20
+
+
+def test_chunks_of_a_wide_memoryview_are_still_at_most_size_bytes():
+    data = memoryview(np.arange(10, dtype=np.float32))
+    pieces = list(wire.chunks(data, 8))
+    assert all(p.nbytes <= 8 for p in pieces)
+    assert b"".join(bytes(p) for p in pieces) == data.tobytes()
+
+
+# -- gRPC status codes -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("error", "code"), [
+    (InvalidRequestError("bad"), grpc.StatusCode.INVALID_ARGUMENT),
+    (ProgramMismatchError("wrong mesh"), grpc.StatusCode.INVALID_ARGUMENT),
+    (NotFoundError("no such handle"), grpc.StatusCode.NOT_FOUND),
+    (FailedPreconditionError("released"), grpc.StatusCode.FAILED_PRECONDITION),
+    (CapacityError("too big"), grpc.StatusCode.RESOURCE_EXHAUSTED),
+    (DeadlineError("too slow"), grpc.StatusCode.DEADLINE_EXCEEDED),
+    (WorkerError("host died"), grpc.StatusCode.UNAVAILABLE),
+])
+def test_each_error_class_maps_to_its_grpc_code(error, code):
+    assert status_code_for(error) == code
+
+
+@pytest.mark.parametrize("error", [
+    RuntimeError("oops"), KeyError("k"), ValueError("v"), TimeoutError(),
+])
+def test_an_unexpected_error_maps_to_internal(error):
+    assert status_code_for(error) == grpc.StatusCode.INTERNAL
