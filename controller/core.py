@@ -33,6 +33,7 @@ from controller.mesh import GangShape, MeshSpec, ShardingSpec
 from controller.programs import Program, ProgramRegistry, load_program, program_id_of
 from controller.scheduler import GangRequest, Scheduler
 from controller.topology import slice_type
+from worker import transport
 from worker.ops import DeleteOp, ExecOp, LoadOp, PinOp, PutOp
 
 log = logging.getLogger(__name__)
@@ -236,12 +237,18 @@ class Controller:
         if gang.state is not GangState.READY:
             self.get_gang(gang.gang_id)
         array = target.buffer.view(dtype_of(spec.dtype)).reshape(spec.shape)
-        pieces = await asyncio.to_thread(_split, array, target.sharding, gang.shape)
+        started = time.perf_counter()
+        indices = target.sharding.process_pieces(spec.shape, gang.shape)
+        key = uuid.uuid4().hex
+        try:
+            await gang.stage(key, array, [indices[p] for p in range(gang.shape.num_processes)])
+            log.debug("put %s: sent to %d workers in %.3f s", spec, gang.shape.num_processes,
+                      time.perf_counter() - started)
+        except transport.TransportError as exc:
+            raise WorkerError(f"uploading to gang {gang.gang_id} failed: {exc}") from exc
         record = self.arrays.new(gang.gang_id, spec, target.sharding)
-        _, done = gang.dispatcher.submit(lambda seq: [
-            PutOp(seq, record.handle, spec.shape, spec.dtype, target.sharding, pieces[p])
-            for p in range(gang.shape.num_processes)
-        ])
+        _, done = gang.dispatcher.submit(lambda seq: PutOp(
+            seq, record.handle, spec.shape, spec.dtype, target.sharding, key))
         done.add_done_callback(lambda f: record.settle(f.result()))
         return record
 
@@ -261,6 +268,8 @@ class Controller:
             pinned = time.perf_counter()
             pieces = await asyncio.wait_for(gang.read(pin_id), timeout_s)
             read = time.perf_counter()
+        except transport.TransportError as exc:
+            raise WorkerError(f"reading {handle} from gang {gang.gang_id} failed: {exc}") from exc
         except TimeoutError:
             await gang.drop_pin(pin_id)
             raise DeadlineError(
@@ -299,13 +308,6 @@ class Controller:
 
     def gang_shape(self, gang_id: str) -> GangShape:
         return self.get_gang(gang_id).shape
-
-
-def _split(array: np.ndarray, sharding: ShardingSpec, gang: GangShape
-           ) -> list[list[tuple[tuple[slice, ...], np.ndarray]]]:
-    per_process = sharding.process_pieces(array.shape, gang)
-    return [[(idx, np.asarray(array[idx], order="C")) for idx in per_process[p]]
-            for p in range(gang.num_processes)]
 
 
 def _assemble(spec: ArraySpec, pieces: list[list[tuple[tuple[slice, ...], np.ndarray]]]

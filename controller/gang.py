@@ -11,12 +11,15 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
+
 from controller.dispatch import Dispatcher
 from controller.errors import WorkerError
 from controller.inventory import Slice
 from controller.mesh import GangShape, Index
 from controller.simcluster import SLICE_NAME_LABEL, WORKER_ID_LABEL
 from controller.topology import SliceType
+from worker import transport
 from worker.env import HostPlacement, simulated_host_env, tpu_host_env
 from worker.ops import Op, OpResult
 
@@ -53,6 +56,7 @@ class Gang:
         self._window = window
         self._placement_groups: list[Any] = []
         self._workers: list[Any] = []
+        self.data_addresses: list[str] = []
         self.dispatcher = Dispatcher(self._send, self.shape.num_processes,
                                      on_broken=self._on_broken)
 
@@ -135,7 +139,8 @@ class Gang:
             for i, w in enumerate(self._workers)
         ))
         self.platform = infos[0]["platform"]
-        self.worker_pids = [info["pid"] for info in infos]
+        self.data_addresses = list(await asyncio.gather(
+            *(w.data_address.remote() for w in self._workers)))
 
     # -- running --------------------------------------------------------------------
 
@@ -147,9 +152,22 @@ class Gang:
             self.state = GangState.FAILED
             self.failure = reason
 
-    async def read(self, pin_id: str) -> list[list[tuple[Index, Any]]]:
+    async def stage(self, key: str, array: np.ndarray, indices: Sequence[Sequence[Index]]
+                    ) -> None:
+        """Sends every worker its pieces of `array` over the data ports, all in parallel
+        (each worker's thread cuts its own pieces, so copying overlaps sending)."""
+
+        def send(address: str, mine: Sequence[Index]) -> None:
+            transport.put(address, key, [(i, np.asarray(array[i], order="C")) for i in mine])
+
+        await asyncio.gather(*(
+            asyncio.to_thread(send, address, mine)
+            for address, mine in zip(self.data_addresses, indices, strict=True)))
+
+    async def read(self, pin_id: str) -> list[transport.Pieces]:
         """Every worker's distinct pieces of a pinned array."""
-        return list(await asyncio.gather(*(w.read.remote(pin_id) for w in self._workers)))
+        return list(await asyncio.gather(*(
+            asyncio.to_thread(transport.get, address, pin_id) for address in self.data_addresses)))
 
     async def drop_pin(self, pin_id: str) -> None:
         await asyncio.gather(*(w.drop_pin.remote(pin_id) for w in self._workers),

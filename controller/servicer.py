@@ -172,6 +172,7 @@ class ControllerServicer(pb_grpc.ControllerServicer):
                        ) -> pb.ArrayInfo:
         target = None
         offset = 0
+        started = time.perf_counter()
         async for chunk in request_iterator:
             if target is None:
                 if not chunk.HasField("header"):
@@ -195,6 +196,7 @@ class ControllerServicer(pb_grpc.ControllerServicer):
                 f"PutArray sent {offset} bytes, but a {target.spec} array has "
                 f"{len(target.buffer)}"
             )
+        log.debug("PutArray received %d bytes in %.3f s", offset, time.perf_counter() - started)
         return wire.array_to_pb(await self.controller.finish_put(target))
 
     @_unary

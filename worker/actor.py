@@ -12,10 +12,11 @@ import socket
 import time
 from typing import Any
 
-from controller.mesh import GangShape, Index
+from controller.mesh import GangShape
 from worker.executor import InOrderExecutor
 from worker.ops import Op, OpResult
 from worker.runtime import JaxRuntime
+from worker.transport import DataServer
 
 log = logging.getLogger(__name__)
 
@@ -37,6 +38,14 @@ class HostWorker:
         )
         self._epoch = 0
         self._started = time.time()
+        import ray
+
+        self.data = DataServer(ray.util.get_node_ip_address(), self.runtime.stage,
+                               self.runtime.read_pinned)
+
+    def data_address(self) -> str:
+        """Where the controller sends and fetches array bytes (see worker/transport.py)."""
+        return self.data.address
 
     def ping(self) -> dict[str, Any]:
         return {"pid": os.getpid(), "gang": self.gang_id, "process_id": self.process_id}
@@ -63,9 +72,6 @@ class HostWorker:
             return [OpResult(op.seq, f"stale epoch {epoch} (worker is at {self._epoch})")
                     for op in ops]
         return self.executor.run(ops)
-
-    def read(self, pin_id: str) -> list[tuple[Index, Any]]:
-        return self.runtime.read_pinned(pin_id)
 
     def drop_pin(self, pin_id: str) -> None:
         self.runtime.drop_pin(pin_id)

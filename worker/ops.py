@@ -5,21 +5,19 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import numpy as np
-
-from controller.mesh import Index, MeshSpec, ShardingSpec
+from controller.mesh import MeshSpec, ShardingSpec
 
 
 @dataclass(frozen=True)
 class PutOp:
-    """Store an array whose local pieces travel with the op."""
+    """Store an array from the pieces staged under `staged_key` (sent over the data port)."""
 
     seq: int
     handle: str
     shape: tuple[int, ...]
     dtype: str
     sharding: ShardingSpec
-    pieces: list[tuple[Index, np.ndarray]] = field(repr=False)
+    staged_key: str
 
 
 @dataclass(frozen=True)

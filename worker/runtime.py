@@ -4,6 +4,7 @@ meshes, and applies the controller's operations to the buffer table."""
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -46,6 +47,8 @@ class JaxRuntime:
         self._meshes: dict[MeshSpec, Any] = {}
         self._programs: dict[str, _Program] = {}
         self._pins: dict[str, Any] = {}
+        self._staged: dict[str, list[tuple[Index, np.ndarray]]] = {}
+        self._staged_lock = threading.Lock()
         self._devices: list[Any] = []
 
     # -- formation -----------------------------------------------------------------
@@ -128,11 +131,20 @@ class JaxRuntime:
         elif isinstance(op, PutOp):
             self.buffers.fail((op.handle,), f"upload failed: {error}")
 
+    def stage(self, key: str, pieces: list[tuple[Index, np.ndarray]]) -> None:
+        """Keeps pieces that arrived over the data port until their PutOp comes."""
+        with self._staged_lock:
+            self._staged[key] = pieces
+
     def _put(self, op: PutOp) -> None:
         import jax
 
+        with self._staged_lock:
+            staged = self._staged.pop(op.staged_key, None)
+        if staged is None:
+            raise RuntimeError(f"the pieces of {op.handle} never arrived on this worker")
         sharding = self.named_sharding(op.sharding)
-        pieces = {index_key(idx, op.shape): data for idx, data in op.pieces}
+        pieces = {index_key(idx, op.shape): data for idx, data in staged}
         arrays = []
         for device, index in sharding.addressable_devices_indices_map(op.shape).items():
             key = index_key(index, op.shape)
@@ -141,12 +153,7 @@ class JaxRuntime:
                     f"upload of {op.handle} is missing the piece {key} for {device}; "
                     "controller and worker disagree on the sharding"
                 )
-            piece = pieces[key]
-            if not piece.flags.writeable:
-                # A zero-copy view into Ray's object store: XLA:CPU may alias host memory,
-                # and the store must not stay pinned for the array's whole life.
-                piece = piece.copy()
-            arrays.append(jax.device_put(piece, device))
+            arrays.append(jax.device_put(pieces[key], device))
         self.buffers.put(
             op.handle, jax.make_array_from_single_device_arrays(op.shape, sharding, arrays)
         )
@@ -191,7 +198,9 @@ class JaxRuntime:
 
     def read_pinned(self, pin_id: str) -> list[tuple[Index, np.ndarray]]:
         """This host's distinct pieces of a pinned array (one copy of each replica set)."""
-        array = self._pins.pop(pin_id)
+        array = self._pins.pop(pin_id, None)
+        if array is None:
+            raise KeyError(f"nothing is pinned as {pin_id} on process {self.process_id}")
         array.block_until_ready()
         return [
             (normalize_index(s.index, array.shape), np.asarray(s.data))
@@ -208,4 +217,5 @@ class JaxRuntime:
             "bytes": self.buffers.nbytes(),
             "programs": len(self._programs),
             "pins": len(self._pins),
+            "staged": len(self._staged),
         }
