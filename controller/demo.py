@@ -3,7 +3,10 @@ across two slices from the Python client, show what happened, shut everything do
 
 from __future__ import annotations
 
+import os
+import tempfile
 import time
+from pathlib import Path
 
 import numpy as np
 
@@ -18,8 +21,10 @@ def run_demo(sim: str) -> int:
 
     say = lambda text: print(f"[demo] {text}", flush=True)  # noqa: E731
     t0 = time.monotonic()
-    say(f"starting a controller on a simulated cluster {sim} (one process per TPU host)")
-    with controller_process(sim=sim) as controller:
+    log_path = Path(tempfile.gettempdir()) / f"slicewise-demo-{os.getpid()}.log"
+    say(f"starting a controller on a simulated cluster {sim} (one process per TPU host); "
+        f"its log: {log_path}")
+    with open(log_path, "w") as log, controller_process(sim=sim, stderr=log) as controller:
         address = controller.address
         say(f"controller up at {address} after {time.monotonic() - t0:.1f} s")
         with slicewise.connect(address, name="demo") as client:

@@ -114,7 +114,7 @@ class Dispatcher:
             self._fail(batch, self.broken or "cancelled")
             raise
         except Exception as exc:  # noqa: BLE001 - a worker died or the transport broke
-            self._break(f"a worker of the gang failed: {type(exc).__name__}: {exc}")
+            self._break(f"{type(exc).__name__}: {exc}")
             self._fail(batch, self.broken or str(exc))
             return
         finally:

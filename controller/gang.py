@@ -145,7 +145,18 @@ class Gang:
     # -- running --------------------------------------------------------------------
 
     async def _send(self, worker: int, ops: list[Op]) -> list[OpResult]:
-        return await self._workers[worker].run.remote(self.epoch, ops)
+        from ray.exceptions import RayActorError
+
+        try:
+            return await self._workers[worker].run.remote(self.epoch, ops)
+        except RayActorError as exc:
+            raise WorkerError(f"the worker of {self.describe_process(worker)} died "
+                              f"({type(exc).__name__})") from exc
+
+    def describe_process(self, process_id: int) -> str:
+        """`host 1 of slice sim-2-v5litepod-16` for a jax.distributed process id."""
+        s, h = divmod(process_id, self.shape.hosts_per_slice)
+        return f"host {h} of slice {self.slices[s].name}"
 
     def _on_broken(self, reason: str) -> None:
         if self.state is GangState.READY:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 from rich.console import Console
 from rich.table import Table
 
@@ -16,7 +18,8 @@ _STATE = {
 
 def print_status(health: pb.HealthResponse, info: pb.ClusterInfo,
                  console: Console | None = None) -> None:
-    console = console or Console()
+    # Piped output gets a fixed width, so that names are not cut at 80 columns.
+    console = console or Console(width=None if sys.stdout.isatty() else 140)
     where = "simulated (CPU XLA devices)" if info.simulated else "TPU"
     console.print(f"slicewise {health.version} - {where}, up {health.uptime_s:.0f} s, "
                   f"{len(info.slices)} slice(s), {len(info.gangs)} gang(s)")

@@ -27,13 +27,13 @@ pytestmark = pytest.mark.integration
 @pytest.fixture(scope="module")
 def bystander(controller):
     """Another client with its own one-slice gang and a program it keeps calling."""
-    with slicewise.connect(controller.address, name="bystander") as c:
-        with c.allocate(slices=1, slice_type="v5litepod-16", timeout=120) as gang:
-            mesh = gang.mesh()
-            x = gang.put(np.arange(16, dtype=np.float32), mesh.sharding("chip"))
-            triple = gang.compile(jax.jit(lambda a: a * 3), x)
-            yield lambda: np.testing.assert_array_equal(
-                triple(x).fetch(timeout=120), np.arange(16, dtype=np.float32) * 3)
+    with (slicewise.connect(controller.address, name="bystander") as c,
+          c.allocate(slices=1, slice_type="v5litepod-16", timeout=120) as gang):
+        mesh = gang.mesh()
+        x = gang.put(np.arange(16, dtype=np.float32), mesh.sharding("chip"))
+        triple = gang.compile(jax.jit(lambda a: a * 3), x)
+        yield lambda: np.testing.assert_array_equal(
+            triple(x).fetch(timeout=120), np.arange(16, dtype=np.float32) * 3)
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,1 @@
+"""Side-by-side measurements against baselines; results as JSON and PNG (see README)."""
