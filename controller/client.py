@@ -224,18 +224,21 @@ class Gang:
         import jax
         from jax import export
 
-        specs, meshes = [], []
-        for a in args:
+        meshes: list[MeshSpec] = []
+
+        def describe(a: Any) -> Any:
             if isinstance(a, RemoteArray):
-                meshes.append(a.sharding.mesh)
-                specs.append(a.shape_dtype_struct())
-            elif isinstance(a, jax.ShapeDtypeStruct):
+                if a.sharding is not None:
+                    meshes.append(a.sharding.mesh)
+                return a.shape_dtype_struct()
+            if isinstance(a, jax.ShapeDtypeStruct):
                 if a.sharding is not None:
                     meshes.append(self._mesh_of(a.sharding.mesh).spec)
-                specs.append(a)
-            else:
-                arr = np.asarray(a)
-                specs.append(jax.ShapeDtypeStruct(arr.shape, arr.dtype))
+                return a
+            arr = np.asarray(a)
+            return jax.ShapeDtypeStruct(arr.shape, arr.dtype)
+
+        specs = jax.tree.map(describe, args, is_leaf=lambda x: isinstance(x, RemoteArray))
         chosen = mesh.spec if mesh is not None else (
             meshes[0] if meshes else (self._meshes[-1] if self._meshes else self.mesh()).spec)
         if any(m != chosen for m in meshes):
@@ -293,12 +296,18 @@ class Program:
         self._exported = exported
         self._out_sharding_specs = self._out_shardings()
 
-    def __call__(self, *args: Any) -> Any:
-        handles = [self._as_remote(i, a).handle for i, a in enumerate(args)]
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        """Queues a call; arguments (pytrees of RemoteArrays or numpy arrays) as exported."""
+        import jax
+
+        leaves = jax.tree.leaves((args, kwargs), is_leaf=lambda x: isinstance(x, RemoteArray))
+        handles = [self._as_remote(i, a).handle for i, a in enumerate(leaves)]
         reply = _call(self.gang.client.stub.Execute, pb.ExecuteRequest(
             gang_id=self.gang.id, program_id=self.id, inputs=handles), timeout=60)
         outs = [RemoteArray(self.gang, info, sharding)
                 for info, sharding in zip(reply.outputs, self._out_sharding_specs, strict=True)]
+        if self._exported is not None:
+            return jax.tree.unflatten(self._exported.out_tree, outs)
         return outs[0] if len(outs) == 1 else tuple(outs)
 
     def _out_shardings(self) -> list[ShardingSpec | None]:

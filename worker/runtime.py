@@ -185,7 +185,9 @@ class JaxRuntime:
             if want is not None and not arg.sharding.is_equivalent_to(want, arg.ndim):
                 arg = jax.device_put(arg, want)
             args.append(arg)
-        outputs = jax.tree.leaves(program.call(*args))
+        # The artifact was traced with pytree arguments; rebuild them from the flat list.
+        tree_args, tree_kwargs = jax.tree.unflatten(program.exported.in_tree, args)
+        outputs = jax.tree.leaves(program.call(*tree_args, **tree_kwargs))
         if len(outputs) != len(op.outputs):
             raise RuntimeError(
                 f"program returned {len(outputs)} arrays, controller expected {len(op.outputs)}"
