@@ -10,14 +10,16 @@ DEFAULT_ADDRESS = "127.0.0.1:50051"
 
 
 def _controller(args: argparse.Namespace) -> int:
-    from controller.server import ServerConfig, configure_logging, run
+    from controller.logs import configure_logging
+    from controller.server import ServerConfig, run
 
-    configure_logging(logging.DEBUG if args.verbose else logging.INFO)
+    configure_logging(logging.DEBUG if args.verbose else logging.INFO, args.log_format)
     try:
         config = ServerConfig(
             host=args.host, port=args.port, sim=args.sim, ray_address=args.ray_address,
             host_object_store_mb=args.host_object_store_mb,
             head_object_store_mb=args.head_object_store_mb, worker_window=args.window,
+            metrics_port=args.metrics_port,
         )
     except ValueError as exc:
         print(f"slicewise controller: {exc}", file=sys.stderr)
@@ -39,6 +41,25 @@ def _status(args: argparse.Namespace) -> int:
     return 0
 
 
+def _trace(args: argparse.Namespace) -> int:
+    import json
+
+    from controller.client import connect
+    from controller.errors import SlicewiseError
+
+    try:
+        with connect(args.controller, timeout=10) as client:
+            trace = client.trace(args.id)
+    except (ConnectionError, SlicewiseError) as exc:
+        print(f"slicewise trace: {exc}", file=sys.stderr)
+        return 1
+    with open(args.output, "w") as f:
+        json.dump(trace, f)
+    spans = sum(1 for e in trace["traceEvents"] if e.get("ph") == "X")
+    print(f"wrote {spans} spans to {args.output} (open it in https://ui.perfetto.dev)")
+    return 0
+
+
 def _demo(args: argparse.Namespace) -> int:
     from controller.demo import run_demo
 
@@ -49,7 +70,7 @@ def _cluster(args: argparse.Namespace) -> int:
     import signal
     import threading
 
-    from controller.server import configure_logging
+    from controller.logs import configure_logging
     from controller.simcluster import SimulationProcess
 
     configure_logging()
@@ -85,8 +106,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--window", type=int, default=3,
                    help="programs in flight per host before back-pressure (default %(default)s)")
     _object_store_flags(p)
+    p.add_argument("--metrics-port", type=int, metavar="PORT",
+                   help="serve Prometheus metrics on this port (0 picks a free one)")
+    p.add_argument("--log-format", choices=("text", "json"), default="text",
+                   help="log lines as text or as JSON objects (default %(default)s)")
     p.add_argument("-v", "--verbose", action="store_true")
     p.set_defaults(func=_controller)
+
+    p = sub.add_parser("trace", help="write a gang's or job's timeline as Chrome/Perfetto JSON")
+    p.add_argument("id", metavar="JOB", help="a job id or gang id")
+    p.add_argument("-o", "--output", default="trace.json")
+    p.add_argument("--controller", default=DEFAULT_ADDRESS, metavar="ADDR")
+    p.set_defaults(func=_trace)
 
     p = sub.add_parser("status", help="show slices, hosts and gangs of a running controller")
     p.add_argument("--controller", default=DEFAULT_ADDRESS, metavar="ADDR")

@@ -88,6 +88,17 @@ class Client:
     def cluster_info(self) -> pb.ClusterInfo:
         return _call(self.stub.GetClusterInfo, pb.ClusterInfoRequest(), timeout=30)
 
+    def trace(self, id: str) -> dict[str, Any]:
+        """The Chrome / Perfetto trace JSON of a gang or job (see `slicewise trace`)."""
+        import json
+
+        try:
+            data = b"".join(c.data for c in self.stub.GetTrace(pb.GetTraceRequest(id=id),
+                                                                timeout=120))
+        except grpc.RpcError as err:
+            _raise_from(err)
+        return json.loads(data)
+
     def allocate(self, slices: int, slice_type: str, *, timeout: float = 600.0) -> Gang:
         """Blocks until a gang of `slices` whole slices is admitted and its workers are up."""
         request = pb.AllocateGangRequest(num_slices=slices, slice_type=slice_type,

@@ -20,6 +20,7 @@ from typing import Any
 
 import numpy as np
 
+from controller import metrics
 from controller.arrays import ArrayRecord, ArraySpec, ArrayTable, dtype_of
 from controller.errors import (
     DeadlineError,
@@ -33,6 +34,8 @@ from controller.mesh import GangShape, MeshSpec, ShardingSpec
 from controller.programs import Program, ProgramRegistry, load_program, program_id_of
 from controller.scheduler import GangRequest, Scheduler
 from controller.topology import slice_type
+from controller.trace import Span, SpanRecorder, chrome_trace
+from controller.trace import now_us as trace_now_us
 from worker import transport
 from worker.ops import DeleteOp, ExecOp, LoadOp, PinOp, PutOp
 
@@ -72,6 +75,9 @@ class Controller:
         self._released: OrderedDict[str, str] = OrderedDict()
         self._admitted: dict[str, asyncio.Future[tuple[str, ...]]] = {}
         self._refresher: asyncio.Task[None] | None = None
+        self.spans = SpanRecorder()
+        # Worker timelines of released gangs, so a trace can still be taken afterwards.
+        self._archived_spans: OrderedDict[str, list[tuple[str, list[Span]]]] = OrderedDict()
 
     # -- lifecycle ------------------------------------------------------------------
 
@@ -89,7 +95,18 @@ class Controller:
         slices = slices_from_nodes(await asyncio.to_thread(self._nodes))
         self.scheduler.set_inventory(slices)
         self._admit()
+        self._update_gauges()
         return slices
+
+    def _update_gauges(self) -> None:
+        states = {"free": 0, "held": 0, "broken": 0}
+        for s in self.scheduler.inventory.values():
+            held = self.scheduler.holder(s.name) is not None
+            states["held" if held else "free" if s.intact else "broken"] += 1
+        for state, count in states.items():
+            metrics.SLICES.labels(state).set(count)
+        metrics.QUEUE_LENGTH.set(len(self.scheduler.queued()))
+        metrics.GANGS.set(len(self.gangs))
 
     async def _refresh_forever(self) -> None:
         while True:
@@ -128,7 +145,7 @@ class Controller:
                 self.scheduler.cancel(gang_id)
         inventory = self.scheduler.inventory
         gang = Gang(gang_id, client, stype, [inventory[n] for n in slice_names],
-                    window=self._worker_window)
+                    window=self._worker_window, spans=self.spans)
         self.gangs[gang_id] = gang
         try:
             await gang.start(GANG_START_TIMEOUT_S)
@@ -150,6 +167,9 @@ class Controller:
     async def release(self, gang_id: str, why: str = "was released") -> None:
         gang = self.get_gang(gang_id, usable=False)
         del self.gangs[gang_id]
+        self._archived_spans[gang_id] = await gang.collect_spans(timeout_s=5.0)
+        while len(self._archived_spans) > 32:
+            self._archived_spans.popitem(last=False)
         await gang.stop()
         dropped = self.arrays.drop_gang(gang_id, why)
         self.scheduler.release(gang_id)
@@ -158,6 +178,7 @@ class Controller:
             self._released.popitem(last=False)
         log.info("gang %s %s (%d arrays freed)", gang_id, why, dropped)
         self._admit()
+        self._update_gauges()
 
     def get_gang(self, gang_id: str, *, usable: bool = True) -> Gang:
         gang = self.gangs.get(gang_id)
@@ -193,8 +214,8 @@ class Controller:
     def _ensure_loaded(self, gang: Gang, program: Program) -> None:
         if program.program_id in gang.loaded_programs:
             return
-        gang.dispatcher.submit(
-            lambda seq: LoadOp(seq, program.program_id, program.serialized, program.mesh))
+        gang.dispatcher.submit(lambda seq: LoadOp(
+            seq, program.program_id, program.serialized, program.mesh, program.name))
         gang.loaded_programs.add(program.program_id)
 
     def execute(self, gang_id: str, program_id: str, inputs: Sequence[str]
@@ -246,6 +267,9 @@ class Controller:
                       time.perf_counter() - started)
         except transport.TransportError as exc:
             raise WorkerError(f"uploading to gang {gang.gang_id} failed: {exc}") from exc
+        metrics.BYTES.labels("put").inc(spec.nbytes)
+        self.spans.record("send pieces", "transfer", started_us(started), trace_now_us(),
+                          thread=f"gang {gang.gang_id}", gang=gang.gang_id, bytes=spec.nbytes)
         record = self.arrays.new(gang.gang_id, spec, target.sharding)
         _, done = gang.dispatcher.submit(lambda seq: PutOp(
             seq, record.handle, spec.shape, spec.dtype, target.sharding, key))
@@ -277,6 +301,10 @@ class Controller:
                 "longer timeout"
             ) from None
         result = await asyncio.to_thread(_assemble, record.spec, pieces)
+        metrics.BYTES.labels("fetch").inc(record.spec.nbytes)
+        self.spans.record("gather pieces", "transfer", started_us(pinned), trace_now_us(),
+                          thread=f"gang {gang.gang_id}", gang=gang.gang_id,
+                          bytes=record.spec.nbytes)
         log.debug("fetch %s (%s): pin %.3f s, read %.3f s, assemble %.3f s", handle, record.spec,
                   pinned - started, read - pinned, time.perf_counter() - read)
         return record, result
@@ -306,6 +334,20 @@ class Controller:
 
     # -- status ---------------------------------------------------------------------
 
+    async def trace(self, gang_id: str) -> dict[str, Any]:
+        """The gang's timeline as Chrome trace JSON: the controller's dispatch and transfer
+        spans and every worker's execute and transfer spans (also after release)."""
+        gang = self.gangs.get(gang_id)
+        if gang is not None:
+            hosts = await gang.collect_spans()
+        elif gang_id in self._archived_spans:
+            hosts = self._archived_spans[gang_id]
+        else:
+            self.get_gang(gang_id)  # raises the right error for unknown or released gangs
+            hosts = []
+        mine = self.spans.spans(where={"gang": gang_id})
+        return chrome_trace([("controller", mine), *hosts])
+
     def gang_shape(self, gang_id: str) -> GangShape:
         return self.get_gang(gang_id).shape
 
@@ -324,6 +366,11 @@ def _assemble(spec: ArraySpec, pieces: list[list[tuple[tuple[slice, ...], np.nda
             "the gang's workers disagree on its sharding"
         )
     return out
+
+
+def started_us(perf_counter_s: float) -> int:
+    """Wall-clock microseconds of a past `time.perf_counter()` reading."""
+    return trace_now_us() - int((time.perf_counter() - perf_counter_s) * 1e6)
 
 
 def _ray_nodes() -> list[dict[str, Any]]:

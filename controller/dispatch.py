@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
@@ -21,12 +22,16 @@ log = logging.getLogger(__name__)
 
 # Sends one batch to worker `index`; resolves when the worker has completed all of it.
 Send = Callable[[int, list[Op]], Awaitable[list[OpResult]]]
+# Told about every settled operation: (op kind, seq, queued_ns, settled_ns, error).
+Observer = Callable[[str, int, int, int, "str | None"], None]
 
 
 @dataclass
 class _Item:
     ops: Op | Sequence[Op]  # one op for every worker, or one per worker
     done: asyncio.Future[str | None]
+    seq: int = 0
+    queued_ns: int = 0
 
     def op_for(self, worker: int) -> Op:
         return self.ops if not isinstance(self.ops, Sequence) else self.ops[worker]
@@ -41,12 +46,14 @@ class Dispatcher:
 
     def __init__(self, send: Send, num_workers: int, *, max_batch: int = 32,
                  max_outstanding_batches: int = 4,
-                 on_broken: Callable[[str], None] | None = None) -> None:
+                 on_broken: Callable[[str], None] | None = None,
+                 observer: Observer | None = None) -> None:
         self._send = send
         self._num_workers = num_workers
         self._max_batch = max_batch
         self._max_outstanding = max_outstanding_batches
         self._on_broken = on_broken
+        self._observer = observer
         self._next_seq = 1
         self._queue: deque[_Item] = deque()
         self._outstanding: dict[asyncio.Task[None], list[_Item]] = {}
@@ -71,7 +78,7 @@ class Dispatcher:
         ops = build(seq)
         self._next_seq += 1
         done: asyncio.Future[str | None] = asyncio.get_running_loop().create_future()
-        self._queue.append(_Item(ops, done))
+        self._queue.append(_Item(ops, done, seq, time.time_ns()))
         self.dispatched += 1
         if self._pump_task is None:
             self._pump_task = asyncio.create_task(self._pump(), name="dispatch-pump")
@@ -123,14 +130,20 @@ class Dispatcher:
             self._wake.set()
         for i, item in enumerate(batch):
             errors = [r[i].error for r in replies if r[i].error]
-            if not item.done.done():
-                item.done.set_result(errors[0] if errors else None)
+            self._settle(item, errors[0] if errors else None)
             self.completed += 1
+
+    def _settle(self, item: _Item, error: str | None) -> None:
+        if item.done.done():
+            return
+        item.done.set_result(error)
+        if self._observer is not None:
+            kind = type(item.op_for(0)).__name__.removesuffix("Op").lower()
+            self._observer(kind, item.seq, item.queued_ns, time.time_ns(), error)
 
     def _fail(self, items: Sequence[_Item], reason: str) -> None:
         for item in items:
-            if not item.done.done():
-                item.done.set_result(reason)
+            self._settle(item, reason)
 
     def _break(self, reason: str, *, failure: bool = True) -> None:
         if self.broken is not None:

@@ -13,12 +13,14 @@ from typing import Any
 
 import numpy as np
 
+from controller import metrics
 from controller.dispatch import Dispatcher
 from controller.errors import WorkerError
 from controller.inventory import Slice
 from controller.mesh import GangShape, Index
 from controller.simcluster import SLICE_NAME_LABEL, WORKER_ID_LABEL
 from controller.topology import SliceType
+from controller.trace import Span, SpanRecorder
 from worker import transport
 from worker.env import HostPlacement, simulated_host_env, tpu_host_env
 from worker.ops import Op, OpResult
@@ -40,7 +42,7 @@ class Gang:
     """Everything the controller holds for one gang."""
 
     def __init__(self, gang_id: str, client: str, stype: SliceType, slices: Sequence[Slice],
-                 *, window: int = 3) -> None:
+                 *, window: int = 3, spans: SpanRecorder | None = None) -> None:
         self.gang_id = gang_id
         self.client = client
         self.slice_type = stype
@@ -57,8 +59,9 @@ class Gang:
         self._placement_groups: list[Any] = []
         self._workers: list[Any] = []
         self.data_addresses: list[str] = []
+        self.spans = spans or SpanRecorder()
         self.dispatcher = Dispatcher(self._send, self.shape.num_processes,
-                                     on_broken=self._on_broken)
+                                     on_broken=self._on_broken, observer=self._observe)
 
     # -- start ----------------------------------------------------------------------
 
@@ -159,9 +162,32 @@ class Gang:
         return f"host {h} of slice {self.slices[s].name}"
 
     def _on_broken(self, reason: str) -> None:
+        metrics.FAILURES.labels("worker").inc()
         if self.state is GangState.READY:
             self.state = GangState.FAILED
             self.failure = reason
+
+    def _observe(self, kind: str, seq: int, queued_ns: int, settled_ns: int,
+                 error: str | None) -> None:
+        metrics.OPERATIONS.labels(kind).inc()
+        metrics.DISPATCH_SECONDS.labels(kind).observe((settled_ns - queued_ns) / 1e9)
+        if error:
+            metrics.FAILURES.labels("operation").inc()
+        self.spans.record(f"dispatch {kind}", "dispatch", queued_ns // 1000, settled_ns // 1000,
+                          thread=f"gang {self.gang_id}", gang=self.gang_id, seq=seq,
+                          **({"error": error} if error else {}))
+
+    def process_names(self) -> list[str]:
+        return [f"{self.describe_process(p)} (process {p})"
+                for p in range(self.shape.num_processes)]
+
+    async def collect_spans(self, timeout_s: float = 10.0) -> list[tuple[str, list[Span]]]:
+        """Every worker's spans, named by host; workers that do not answer are skipped."""
+        replies = await asyncio.gather(*(
+            asyncio.wait_for(w.trace_spans.remote(), timeout_s) for w in self._workers),
+            return_exceptions=True)
+        return [(name, spans) for name, spans in zip(self.process_names(), replies, strict=True)
+                if not isinstance(spans, BaseException)]
 
     async def stage(self, key: str, array: np.ndarray, indices: Sequence[Sequence[Index]]
                     ) -> None:

@@ -30,10 +30,13 @@ class ControllerProcess:
             stdout=subprocess.PIPE, stderr=stderr, text=True, start_new_session=True,
         )
         try:
-            self.address = _wait_for_listening(self.proc, start_timeout_s)
+            lines = _wait_for_listening(self.proc, start_timeout_s)
         except BaseException:
             self.stop()
             raise
+        self.address = lines[-1].split("listening on", 1)[1].split()[0]
+        self.metrics_url = next((ln.split(" on ", 1)[1].strip() for ln in lines
+                                 if ln.startswith("slicewise metrics on ")), None)
 
     @property
     def pid(self) -> int:
@@ -53,8 +56,9 @@ def controller_process(**kwargs: object) -> Iterator[ControllerProcess]:
         controller.stop()
 
 
-def _wait_for_listening(proc: subprocess.Popen, timeout_s: float) -> str:
-    found: list[str] = []
+def _wait_for_listening(proc: subprocess.Popen, timeout_s: float) -> list[str]:
+    """The controller's stdout lines up to and including its "listening on" line."""
+    lines: list[str] = []
     done = threading.Event()
     assert proc.stdout is not None
     stdout = proc.stdout
@@ -62,19 +66,20 @@ def _wait_for_listening(proc: subprocess.Popen, timeout_s: float) -> str:
     def read() -> None:
         # Reads to the end, so that the controller never blocks on a full pipe.
         for line in stdout:
-            if "listening on" in line and not found:
-                found.append(line.split("listening on", 1)[1].split()[0])
-                done.set()
+            if not done.is_set():
+                lines.append(line.strip())
+                if "listening on" in line:
+                    done.set()
         done.set()  # end of output: the controller exited
 
     threading.Thread(target=read, daemon=True).start()
     done.wait(timeout_s)
-    if not found:
+    if not lines or "listening on" not in lines[-1]:
         raise RuntimeError(
             f"the controller did not start within {timeout_s:.0f} s (exit code {proc.poll()}); "
             "see its log"
         )
-    return found[0]
+    return lines
 
 
 def stop_process(proc: subprocess.Popen, timeout_s: float = 90.0) -> int:

@@ -7,7 +7,6 @@ import asyncio
 import logging
 import os
 import signal
-import sys
 from dataclasses import dataclass
 
 log = logging.getLogger(__name__)
@@ -24,6 +23,7 @@ class ServerConfig:
     host_object_store_mb: int = 1536
     head_object_store_mb: int = 3072
     worker_window: int = 3
+    metrics_port: int | None = None
 
     def __post_init__(self) -> None:
         if bool(self.sim) == bool(self.ray_address):
@@ -95,7 +95,12 @@ async def _serve(config: ServerConfig, simulation_pid: int) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     slices = len(controller.scheduler.inventory)
-    # Tests and scripts wait for this exact line.
+    if config.metrics_port is not None:
+        from controller.metrics import serve_metrics
+
+        metrics_port = serve_metrics(config.metrics_port, config.host)
+        print(f"slicewise metrics on http://{config.host}:{metrics_port}/metrics", flush=True)
+    # Tests and scripts wait for this exact line (printed last, when all is up).
     print(f"slicewise controller listening on {config.host}:{port} ({slices} slices)",
           flush=True)
     await stop.wait()
@@ -103,8 +108,3 @@ async def _serve(config: ServerConfig, simulation_pid: int) -> int:
     await server.stop(grace=2)
     await controller.shutdown()
     return 0
-
-
-def configure_logging(level: int = logging.INFO) -> None:
-    logging.basicConfig(level=level, stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")

@@ -7,6 +7,7 @@ becomes INTERNAL for that one call and the controller keeps serving everyone els
 from __future__ import annotations
 
 import functools
+import json
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
@@ -15,7 +16,7 @@ from typing import Any
 import grpc
 import numpy as np
 
-from controller import wire
+from controller import metrics, wire
 from controller.core import VERSION, Controller
 from controller.errors import (
     CapacityError,
@@ -26,6 +27,7 @@ from controller.errors import (
     WorkerError,
 )
 from controller.gang import Gang
+from controller.logs import set_log_context
 from protos import controller_pb2 as pb
 from protos import controller_pb2_grpc as pb_grpc
 
@@ -50,6 +52,7 @@ def status_code_for(exc: BaseException) -> grpc.StatusCode:
 
 async def _abort(context: grpc.aio.ServicerContext, method: str, exc: Exception) -> None:
     code = status_code_for(exc)
+    metrics.FAILURES.labels(f"rpc_{code.name.lower()}").inc()
     if code is grpc.StatusCode.INTERNAL:
         log.exception("%s failed unexpectedly", method)
         message = f"internal error in {method}: {type(exc).__name__}: {exc}"
@@ -60,13 +63,19 @@ async def _abort(context: grpc.aio.ServicerContext, method: str, exc: Exception)
 
 
 def _unary(fn: Callable[..., Any]) -> Callable[..., Any]:
+    timer = metrics.RPC_SECONDS.labels(fn.__name__)
+
     @functools.wraps(fn)
     async def wrapper(self: ControllerServicer, request: Any, context: grpc.aio.ServicerContext
                       ) -> Any:
+        started = time.perf_counter()
+        set_log_context(gang=getattr(request, "gang_id", ""))
         try:
             return await fn(self, request, context)
         except Exception as exc:  # noqa: BLE001 - mapped to a status, never crashes the server
             await _abort(context, fn.__name__, exc)
+        finally:
+            timer.observe(time.perf_counter() - started)
     return wrapper
 
 
@@ -236,3 +245,11 @@ class ControllerServicer(pb_grpc.ControllerServicer):
                 programs=s["programs"], next_sequence=s["next_seq"],
                 max_in_flight=s["max_in_flight"], window=s["window"]) for s in stats],
         )
+
+    @_streaming
+    async def GetTrace(self, request: pb.GetTraceRequest, context: Any
+                       ) -> AsyncIterator[pb.TraceChunk]:
+        trace = await self.controller.trace(request.id)
+        data = json.dumps(trace).encode()
+        for piece in wire.chunks(memoryview(data)):
+            yield pb.TraceChunk(data=bytes(piece))

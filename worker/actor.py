@@ -13,10 +13,11 @@ import time
 from typing import Any
 
 from controller.mesh import GangShape
+from controller.trace import Span, SpanRecorder, now_us
 from worker.executor import InOrderExecutor
 from worker.ops import Op, OpResult
 from worker.runtime import JaxRuntime
-from worker.transport import DataServer
+from worker.transport import DataServer, Pieces
 
 log = logging.getLogger(__name__)
 
@@ -33,15 +34,35 @@ class HostWorker:
         self.gang_id = gang_id
         self.process_id = process_id
         self.runtime = JaxRuntime(gang, process_id)
+        self.spans = SpanRecorder()
         self.executor = InOrderExecutor(
-            self.runtime.apply, window=window, on_failure=self.runtime.on_failure
+            self.runtime.apply, window=window, on_failure=self.runtime.on_failure,
+            on_done=self._on_done,
         )
         self._epoch = 0
         self._started = time.time()
         import ray
 
-        self.data = DataServer(ray.util.get_node_ip_address(), self.runtime.stage,
-                               self.runtime.read_pinned)
+        self.data = DataServer(ray.util.get_node_ip_address(), self._receive, self._send)
+
+    def _on_done(self, op: Op, started_ns: int, finished_ns: int, error: str | None) -> None:
+        name, args = self.runtime.describe(op)
+        if error:
+            args["error"] = error
+        self.spans.record(name, "execute", started_ns // 1000, finished_ns // 1000,
+                          thread="executor", gang=self.gang_id, seq=op.seq, **args)
+
+    def _receive(self, key: str, pieces: Pieces, started_us: int) -> None:
+        self.runtime.stage(key, pieces)
+        self.spans.record("receive pieces", "transfer", started_us, now_us(), thread="data",
+                          gang=self.gang_id, bytes=sum(a.nbytes for _, a in pieces))
+
+    def _send(self, key: str) -> Pieces:
+        started = now_us()
+        pieces = self.runtime.read_pinned(key)
+        self.spans.record("fetch pieces", "transfer", started, now_us(), thread="data",
+                          gang=self.gang_id, bytes=sum(a.nbytes for _, a in pieces))
+        return pieces
 
     def data_address(self) -> str:
         """Where the controller sends and fetches array bytes (see worker/transport.py)."""
@@ -75,6 +96,9 @@ class HostWorker:
 
     def drop_pin(self, pin_id: str) -> None:
         self.runtime.drop_pin(pin_id)
+
+    def trace_spans(self, since_us: int = 0) -> list[Span]:
+        return self.spans.spans(since_us)
 
     def stats(self) -> dict[str, Any]:
         return self.runtime.stats() | {

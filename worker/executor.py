@@ -14,6 +14,7 @@ caller feels as later completions.
 from __future__ import annotations
 
 import threading
+import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
@@ -30,6 +31,8 @@ class Pending(Protocol):
 
 Apply = Callable[[Op], "Pending | None"]
 OnFailure = Callable[[Op, str], None]
+# Called once per operation when it completes: (op, started_ns, finished_ns, error).
+OnDone = Callable[[Op, int, int, "str | None"], None]
 
 
 class SequenceError(RuntimeError):
@@ -40,15 +43,16 @@ class InOrderExecutor:
     """Applies operations in sequence order on one thread, at most `window` in flight."""
 
     def __init__(self, apply: Apply, *, window: int = 3, first_seq: int = 1,
-                 on_failure: OnFailure | None = None) -> None:
+                 on_failure: OnFailure | None = None, on_done: OnDone | None = None) -> None:
         if window < 1:
             raise ValueError(f"window must be >= 1, got {window}")
         self._apply = apply
         self._on_failure = on_failure
+        self._on_done = on_done
         self._window = window
         self._next = first_seq
         self._waiting: dict[int, tuple[Op, Future[OpResult]]] = {}
-        self._in_flight: deque[tuple[Op, Pending, Future[OpResult]]] = deque()
+        self._in_flight: deque[tuple[Op, Pending, Future[OpResult], int]] = deque()
         self._cond = threading.Condition()
         self._stopped = False
         self._max_in_flight = 0
@@ -120,38 +124,42 @@ class InOrderExecutor:
                 self._launch(*ready)
 
     def _launch(self, op: Op, fut: Future[OpResult]) -> None:
+        started = time.time_ns()
         try:
             pending = self._apply(op)
         except Exception as exc:  # noqa: BLE001 - reported to the controller, not raised
-            self._fail(op, fut, exc)
+            self._finish(op, fut, started, exc)
             return
         if pending is None:
-            fut.set_result(OpResult(op.seq))
+            self._finish(op, fut, started, None)
         else:
-            self._in_flight.append((op, pending, fut))
+            self._in_flight.append((op, pending, fut, started))
             self._max_in_flight = max(self._max_in_flight, len(self._in_flight))
 
     def _retire_oldest(self) -> None:
         if not self._in_flight:
             return
-        op, pending, fut = self._in_flight.popleft()
+        op, pending, fut, started = self._in_flight.popleft()
         try:
             pending.wait()
         except Exception as exc:  # noqa: BLE001
-            self._fail(op, fut, exc)
+            self._finish(op, fut, started, exc)
             return
-        fut.set_result(OpResult(op.seq))
+        self._finish(op, fut, started, None)
 
-    def _fail(self, op: Op, fut: Future[OpResult], exc: BaseException) -> None:
-        message = f"{type(exc).__name__}: {exc}"
-        if self._on_failure is not None:
+    def _finish(self, op: Op, fut: Future[OpResult], started_ns: int,
+                exc: BaseException | None) -> None:
+        message = None if exc is None else f"{type(exc).__name__}: {exc}"
+        if message is not None and self._on_failure is not None:
             self._on_failure(op, message)
+        if self._on_done is not None:
+            self._on_done(op, started_ns, time.time_ns(), message)
         fut.set_result(OpResult(op.seq, message))
 
     def _fail_all(self, reason: str) -> None:
         for op, fut in self._waiting.values():
             fut.set_result(OpResult(op.seq, reason))
         self._waiting.clear()
-        for op, _, fut in self._in_flight:
+        for op, _, fut, _ in self._in_flight:
             fut.set_result(OpResult(op.seq, reason))
         self._in_flight.clear()

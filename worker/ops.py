@@ -28,6 +28,7 @@ class LoadOp:
     program_id: str
     serialized: bytes = field(repr=False)
     mesh: MeshSpec
+    name: str = ""
 
 
 @dataclass(frozen=True)

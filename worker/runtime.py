@@ -20,6 +20,7 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class _Program:
+    name: str
     exported: Any
     call: Any
     in_shardings: tuple[Any, ...]
@@ -124,6 +125,20 @@ class JaxRuntime:
             raise TypeError(f"unknown operation {op!r}")
         return None
 
+    def describe(self, op: Op) -> tuple[str, dict[str, Any]]:
+        """A span name and arguments for an operation, for the timeline."""
+        if isinstance(op, ExecOp):
+            program = self._programs.get(op.program_id)
+            return (f"execute {program.name if program else op.program_id[:12]}",
+                    {"program": op.program_id[:12], "outputs": list(op.outputs)})
+        if isinstance(op, PutOp):
+            return "put", {"handle": op.handle}
+        if isinstance(op, LoadOp):
+            return f"load {op.name}", {"program": op.program_id[:12]}
+        if isinstance(op, PinOp):
+            return "pin", {"handle": op.handle}
+        return type(op).__name__.removesuffix("Op").lower(), {}
+
     def on_failure(self, op: Op, error: str) -> None:
         """Marks what a failed operation should have produced as failed, too."""
         if isinstance(op, ExecOp):
@@ -167,6 +182,7 @@ class JaxRuntime:
         exported = export.deserialize(bytearray(op.serialized))
         mesh = self.mesh(op.mesh)
         self._programs[op.program_id] = _Program(
+            name=op.name or exported.fun_name,
             exported=exported,
             call=jax.jit(exported.call),
             in_shardings=tuple(exported.in_shardings_jax(mesh)),

@@ -19,6 +19,7 @@ import logging
 import socket
 import struct
 import threading
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -114,9 +115,10 @@ def get(address: str, key: str) -> Pieces:
 
 
 class DataServer:
-    """The worker's end: accepts puts into `on_put` and serves gets from `on_get`."""
+    """The worker's end: accepts puts into `on_put(key, pieces, started_us)` and serves
+    gets from `on_get(key)`."""
 
-    def __init__(self, host: str, on_put: Callable[[str, Pieces], None],
+    def __init__(self, host: str, on_put: Callable[[str, Pieces, int], None],
                  on_get: Callable[[str], Pieces]) -> None:
         self._on_put = on_put
         self._on_get = on_get
@@ -144,7 +146,8 @@ class DataServer:
             try:
                 header = _recv_header(conn)
                 if header.get("op") == "put":
-                    self._on_put(header["key"], _recv_pieces(conn, header["pieces"]))
+                    started_us = time.time_ns() // 1000
+                    self._on_put(header["key"], _recv_pieces(conn, header["pieces"]), started_us)
                     _send(conn, {"ok": True})
                 elif header.get("op") == "get":
                     try:

@@ -48,7 +48,8 @@ def start_controller(tmp_path_factory, name: str, **kwargs) -> ControllerProcess
 
 @pytest.fixture(scope="session")
 def controller(tmp_path_factory):
-    proc = start_controller(tmp_path_factory, "shared-controller", sim=SHARED_SIM)
+    proc = start_controller(tmp_path_factory, "shared-controller", sim=SHARED_SIM,
+                            extra_args=("--metrics-port", "0"))
     try:
         yield proc
     finally:

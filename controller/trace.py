@@ -1,0 +1,74 @@
+"""Timeline spans, kept in bounded memory by the controller and by every worker, and
+merged into one Chrome / Perfetto trace (`slicewise trace JOB -o trace.json`).
+
+Times are wall-clock microseconds, so spans recorded by different processes of one
+machine line up; across machines they are as good as the hosts' clocks.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+# Keep the last this-many spans per process: a long job keeps its recent history.
+DEFAULT_CAPACITY = 200_000
+
+
+def now_us() -> int:
+    return time.time_ns() // 1000
+
+
+@dataclass(frozen=True)
+class Span:
+    """One interval on one thread of one process."""
+
+    name: str
+    category: str
+    start_us: int
+    duration_us: int
+    thread: str = "main"
+    args: Mapping[str, Any] = field(default_factory=dict)
+
+
+class SpanRecorder:
+    """A thread-safe ring buffer of spans."""
+
+    def __init__(self, capacity: int = DEFAULT_CAPACITY) -> None:
+        self._spans: deque[Span] = deque(maxlen=capacity)
+        self._lock = threading.Lock()
+
+    def record(self, name: str, category: str, start_us: int, end_us: int, *,
+               thread: str = "main", **args: Any) -> None:
+        span = Span(name, category, start_us, max(0, end_us - start_us), thread, args)
+        with self._lock:
+            self._spans.append(span)
+
+    def spans(self, since_us: int = 0, where: Mapping[str, Any] | None = None) -> list[Span]:
+        """Spans that started at or after `since_us` and whose args match `where`."""
+        with self._lock:
+            spans = list(self._spans)
+        return [s for s in spans if s.start_us >= since_us
+                and all(s.args.get(k) == v for k, v in (where or {}).items())]
+
+
+def chrome_trace(processes: Sequence[tuple[str, Iterable[Span]]]) -> dict[str, Any]:
+    """Chrome trace-event JSON (loads in Perfetto and chrome://tracing): one track per
+    process, named, with one thread row per span thread."""
+    events: list[dict[str, Any]] = []
+    for pid, (process_name, spans) in enumerate(processes):
+        events.append({"name": "process_name", "ph": "M", "pid": pid,
+                       "args": {"name": process_name}})
+        threads: dict[str, int] = {}
+        for span in spans:
+            tid = threads.setdefault(span.thread, len(threads))
+            events.append({"name": span.name, "cat": span.category, "ph": "X",
+                           "ts": span.start_us, "dur": span.duration_us, "pid": pid,
+                           "tid": tid, "args": dict(span.args)})
+        for thread, tid in threads.items():
+            events.append({"name": "thread_name", "ph": "M", "pid": pid, "tid": tid,
+                           "args": {"name": thread}})
+    return {"traceEvents": events, "displayTimeUnit": "ms"}
