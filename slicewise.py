@@ -6,7 +6,7 @@ The client API lives in `controller.client`; this module is its short name:
     client = slicewise.connect("127.0.0.1:50051")
 """
 
-from controller.client import Client, Gang, Mesh, Program, RemoteArray, connect, delete
+from controller.client import Client, Gang, Mesh, Output, Program, RemoteArray, connect, delete
 from controller.errors import (
     CapacityError,
     DeadlineError,
@@ -27,6 +27,7 @@ __all__ = [
     "InvalidRequestError",
     "Mesh",
     "NotFoundError",
+    "Output",
     "Program",
     "ProgramMismatchError",
     "RemoteArray",

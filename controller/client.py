@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator, Mapping, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import grpc
 import numpy as np
@@ -274,6 +274,24 @@ class Gang:
         in_shardings = None if isinstance(exported, bytes | bytearray) else exported
         return Program(self, info, mesh, in_shardings)
 
+    def execute_batch(self, calls: Sequence[tuple[Program, Sequence[Any]]]) -> list[Any]:
+        """Queues several calls in one request; an argument `Output(k, i)` is output `i` of
+        call `k` of the same batch. All calls are queued, or none. Returns each call's
+        outputs (a RemoteArray, or a tuple of them)."""
+        specs = []
+        for program, args in calls:
+            handles = [f"@{a.call}:{a.index}" if isinstance(a, Output)
+                       else program._as_remote(i, a).handle for i, a in enumerate(args)]
+            specs.append(pb.CallSpec(program_id=program.id, inputs=handles))
+        reply = _call(self.client.stub.ExecuteBatch,
+                      pb.ExecuteBatchRequest(gang_id=self.id, calls=specs), timeout=120)
+        results = []
+        for (program, _), result in zip(calls, reply.results, strict=True):
+            outs = [RemoteArray(self, info, sharding) for info, sharding in
+                    zip(result.outputs, program._out_sharding_specs, strict=True)]
+            results.append(outs[0] if len(outs) == 1 else tuple(outs))
+        return results
+
     def stats(self) -> pb.GangStats:
         """Dispatch counters and, per worker, arrays held and executor window use."""
         return _call(self.client.stub.GetGangStats, pb.GangStatsRequest(gang_id=self.id),
@@ -292,6 +310,13 @@ class Gang:
 
     def __exit__(self, *exc: object) -> None:
         self.release()
+
+
+class Output(NamedTuple):
+    """In `Gang.execute_batch`: output `index` of call `call` of the same batch."""
+
+    call: int
+    index: int = 0
 
 
 class Program:
@@ -320,6 +345,16 @@ class Program:
         if self._exported is not None:
             return jax.tree.unflatten(self._exported.out_tree, outs)
         return outs[0] if len(outs) == 1 else tuple(outs)
+
+    def chain(self, n: int, *args: Any) -> Any:
+        """Queues `n` calls in one request, each fed the previous call's outputs (the first
+        gets `args`); returns the last call's outputs. Outputs must match inputs."""
+        if len(self.outputs) != len(self.inputs) or self.outputs != self.inputs:
+            raise InvalidRequestError(
+                f"chain needs a program whose outputs match its inputs; {self!r} does not")
+        calls: list[tuple[Program, Sequence[Any]]] = [(self, args)]
+        calls += [(self, [Output(k, i) for i in range(len(self.outputs))]) for k in range(n - 1)]
+        return self.gang.execute_batch(calls)[-1]
 
     def _out_shardings(self) -> list[ShardingSpec | None]:
         if self._exported is None:

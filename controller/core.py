@@ -25,7 +25,9 @@ from controller.arrays import ArrayRecord, ArraySpec, ArrayTable, dtype_of
 from controller.errors import (
     DeadlineError,
     FailedPreconditionError,
+    InvalidRequestError,
     NotFoundError,
+    SlicewiseError,
     WorkerError,
 )
 from controller.gang import Gang, GangState
@@ -221,17 +223,55 @@ class Controller:
     def execute(self, gang_id: str, program_id: str, inputs: Sequence[str]
                 ) -> tuple[int, list[ArrayRecord]]:
         """Queues a program call; returns its sequence number and pending outputs."""
+        return self.execute_batch(gang_id, [(program_id, inputs)])[0]
+
+    def execute_batch(self, gang_id: str, calls: Sequence[tuple[str, Sequence[str]]]
+                      ) -> list[tuple[int, list[ArrayRecord]]]:
+        """Queues several calls; an input "@K:I" is output I of call K of this batch.
+
+        Every call is checked before any is queued, so a bad call queues nothing.
+        """
         gang = self.get_gang(gang_id)
-        program = self.programs.get(program_id)
-        program.check_fits(gang.shape, gang.platform, gang_id)
-        records = [self._usable_array(h, gang_id) for h in inputs]
-        program.check_inputs([r.spec for r in records], list(inputs))
-        self._ensure_loaded(gang, program)
-        outputs = [self.arrays.new(gang_id, spec) for spec in program.outputs]
-        seq, done = gang.dispatcher.submit(lambda seq: ExecOp(
-            seq, program_id, tuple(inputs), tuple(r.handle for r in outputs)))
-        done.add_done_callback(lambda f: [r.settle(f.result()) for r in outputs])
-        return seq, outputs
+        plan = []
+        for k, (program_id, inputs) in enumerate(calls):
+            where = f"call {k}: " if len(calls) > 1 else ""
+            try:
+                program = self.programs.get(program_id)
+                program.check_fits(gang.shape, gang.platform, gang_id)
+                specs = [self._input_spec(h, gang_id, plan) for h in inputs]
+                program.check_inputs(specs, list(inputs))
+            except SlicewiseError as exc:
+                raise type(exc)(where + str(exc)) from None
+            plan.append((program, list(inputs)))
+        results: list[tuple[int, list[ArrayRecord]]] = []
+        for program, inputs in plan:
+            handles = tuple(self._resolve(h, results) for h in inputs)
+            self._ensure_loaded(gang, program)
+            outputs = [self.arrays.new(gang_id, spec) for spec in program.outputs]
+            seq, done = gang.dispatcher.submit(lambda seq, p=program, i=handles, o=outputs: ExecOp(
+                seq, p.program_id, i, tuple(r.handle for r in o)))
+            done.add_done_callback(lambda f, o=outputs: [r.settle(f.result()) for r in o])
+            results.append((seq, outputs))
+        return results
+
+    def _input_spec(self, handle: str, gang_id: str, plan: list[tuple[Program, list[str]]]
+                    ) -> ArraySpec:
+        if not handle.startswith("@"):
+            return self._usable_array(handle, gang_id).spec
+        k, i = _batch_ref(handle)
+        if k >= len(plan) or i >= len(plan[k][0].outputs):
+            raise InvalidRequestError(
+                f"input {handle!r} refers to output {i} of call {k}, which comes later in the "
+                "batch or does not exist; refer only to earlier calls"
+            )
+        return plan[k][0].outputs[i]
+
+    @staticmethod
+    def _resolve(handle: str, results: list[tuple[int, list[ArrayRecord]]]) -> str:
+        if not handle.startswith("@"):
+            return handle
+        k, i = _batch_ref(handle)
+        return results[k][1][i].handle
 
     def _usable_array(self, handle: str, gang_id: str) -> ArrayRecord:
         record = self.arrays.get(handle)
@@ -366,6 +406,16 @@ def _assemble(spec: ArraySpec, pieces: list[list[tuple[tuple[slice, ...], np.nda
             "the gang's workers disagree on its sharding"
         )
     return out
+
+
+def _batch_ref(text: str) -> tuple[int, int]:
+    try:
+        k, i = text[1:].split(":")
+        return int(k), int(i)
+    except ValueError:
+        raise InvalidRequestError(
+            f"batch reference {text!r} is not of the form '@CALL:OUTPUT', e.g. '@0:0'"
+        ) from None
 
 
 def started_us(perf_counter_s: float) -> int:

@@ -44,7 +44,7 @@ class GangBrokenError(RuntimeError):
 class Dispatcher:
     """Sequence numbering and batched, windowed delivery to a gang's workers."""
 
-    def __init__(self, send: Send, num_workers: int, *, max_batch: int = 32,
+    def __init__(self, send: Send, num_workers: int, *, max_batch: int = 128,
                  max_outstanding_batches: int = 4,
                  on_broken: Callable[[str], None] | None = None,
                  observer: Observer | None = None) -> None:

@@ -214,6 +214,15 @@ class ControllerServicer(pb_grpc.ControllerServicer):
             request.gang_id, request.program_id, list(request.inputs))
         return pb.ExecuteResponse(outputs=[wire.array_to_pb(r) for r in outputs], sequence=seq)
 
+    @_unary
+    async def ExecuteBatch(self, request: pb.ExecuteBatchRequest, context: Any
+                           ) -> pb.ExecuteBatchResponse:
+        results = self.controller.execute_batch(
+            request.gang_id, [(c.program_id, list(c.inputs)) for c in request.calls])
+        return pb.ExecuteBatchResponse(results=[
+            pb.ExecuteResponse(outputs=[wire.array_to_pb(r) for r in outputs], sequence=seq)
+            for seq, outputs in results])
+
     @_streaming
     async def FetchArray(self, request: pb.FetchArrayRequest, context: Any
                          ) -> AsyncIterator[pb.FetchChunk]:
