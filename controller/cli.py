@@ -128,6 +128,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--sim", default="2xv5litepod-4", metavar="SPEC")
     p.set_defaults(func=_demo)
 
+    sub.add_parser("bench", help="run benchmarks against their baselines: slicewise bench "
+                                 "[--quick] [NAME ...]")
+
     p = sub.add_parser("cluster", help="run only a simulated Ray cluster (for --ray-address)")
     p.add_argument("--sim", required=True, metavar="SPEC")
     _object_store_flags(p)
@@ -143,6 +146,11 @@ def _object_store_flags(p: argparse.ArgumentParser) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["bench"]:  # its own parser, so that `bench --help` and flags pass through
+        from benchmarks.cli import main as bench_main
+
+        return bench_main(argv[1:])
     args = build_parser().parse_args(argv)
     return args.func(args)
 

@@ -329,7 +329,7 @@ class Program:
         self.mesh = mesh
         self.inputs = [wire.spec_from_pb(s) for s in info.inputs]
         self.outputs = [wire.spec_from_pb(s) for s in info.outputs]
-        self._exported = exported
+        self.exported = exported
         self._out_sharding_specs = self._out_shardings()
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -342,8 +342,8 @@ class Program:
             gang_id=self.gang.id, program_id=self.id, inputs=handles), timeout=60)
         outs = [RemoteArray(self.gang, info, sharding)
                 for info, sharding in zip(reply.outputs, self._out_sharding_specs, strict=True)]
-        if self._exported is not None:
-            return jax.tree.unflatten(self._exported.out_tree, outs)
+        if self.exported is not None:
+            return jax.tree.unflatten(self.exported.out_tree, outs)
         return outs[0] if len(outs) == 1 else tuple(outs)
 
     def chain(self, n: int, *args: Any) -> Any:
@@ -357,18 +357,18 @@ class Program:
         return self.gang.execute_batch(calls)[-1]
 
     def _out_shardings(self) -> list[ShardingSpec | None]:
-        if self._exported is None:
+        if self.exported is None:
             return [None] * len(self.outputs)
         return [None if s is None else
                 ShardingSpec.from_partition_spec(self.mesh.spec, tuple(s.spec))
-                for s in self._exported.out_shardings_jax(self.mesh.abstract)]
+                for s in self.exported.out_shardings_jax(self.mesh.abstract)]
 
     def _as_remote(self, i: int, arg: Any) -> RemoteArray:
         if isinstance(arg, RemoteArray):
             return arg
         sharding = None
-        if self._exported is not None:
-            want = self._exported.in_shardings_jax(self.mesh.abstract)[i]
+        if self.exported is not None:
+            want = self.exported.in_shardings_jax(self.mesh.abstract)[i]
             if want is not None:
                 sharding = ShardingSpec.from_partition_spec(self.mesh.spec, tuple(want.spec))
         return self.gang.put(np.asarray(arg), sharding or ShardingSpec(self.mesh.spec, ()))

@@ -60,7 +60,8 @@ def run(config: ServerConfig) -> int:
     try:
         ray.init(address=simulation.address if simulation else config.ray_address,
                  namespace="slicewise", log_to_driver=False, logging_level=logging.WARNING)
-        return asyncio.run(_serve(config, simulation.pid if simulation else 0))
+        address = simulation.address if simulation else str(config.ray_address)
+        return asyncio.run(_serve(config, simulation.pid if simulation else 0, address))
     finally:
         ray.shutdown()
         if simulation is not None:
@@ -68,7 +69,7 @@ def run(config: ServerConfig) -> int:
         log.info("controller stopped")
 
 
-async def _serve(config: ServerConfig, simulation_pid: int) -> int:
+async def _serve(config: ServerConfig, simulation_pid: int, ray_address: str) -> int:
     import grpc
 
     from controller.core import Controller
@@ -79,7 +80,8 @@ async def _serve(config: ServerConfig, simulation_pid: int) -> int:
     await controller.start()
     server = grpc.aio.server()
     pb_grpc.add_ControllerServicer_to_server(
-        ControllerServicer(controller, simulation_pid=simulation_pid), server)
+        ControllerServicer(controller, simulation_pid=simulation_pid, ray_address=ray_address),
+        server)
     try:
         port = server.add_insecure_port(f"{config.host}:{config.port}")
     except RuntimeError:

@@ -103,16 +103,19 @@ def gang_to_pb(gang: Gang) -> pb.GangInfo:
 class ControllerServicer(pb_grpc.ControllerServicer):
     """Implements the Controller service of protos/controller.proto."""
 
-    def __init__(self, controller: Controller, *, simulation_pid: int = 0) -> None:
+    def __init__(self, controller: Controller, *, simulation_pid: int = 0,
+                 ray_address: str = "") -> None:
         self.controller = controller
         self.simulation_pid = simulation_pid
+        self.ray_address = ray_address
 
     @_unary
     async def Health(self, request: pb.HealthRequest, context: Any) -> pb.HealthResponse:
         c = self.controller
         return pb.HealthResponse(version=VERSION, simulated=c.simulated,
                                  uptime_s=time.time() - c.started_at, num_gangs=len(c.gangs),
-                                 simulation_pid=self.simulation_pid)
+                                 simulation_pid=self.simulation_pid,
+                                 ray_address=self.ray_address)
 
     @_unary
     async def GetClusterInfo(self, request: pb.ClusterInfoRequest, context: Any

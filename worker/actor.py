@@ -97,6 +97,10 @@ class HostWorker:
     def drop_pin(self, pin_id: str) -> None:
         self.runtime.drop_pin(pin_id)
 
+    def bench_loop(self, program_id: str, handles: list[str], n: int, window: int) -> float:
+        """The multi-controller baseline of `benchmarks/` (see JaxRuntime.run_loop)."""
+        return self.runtime.run_loop(program_id, handles, n, window)
+
     def trace_spans(self, since_us: int = 0) -> list[Span]:
         return self.spans.spans(since_us)
 

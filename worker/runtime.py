@@ -22,6 +22,7 @@ log = logging.getLogger(__name__)
 class _Program:
     name: str
     exported: Any
+    mesh: Any
     call: Any
     in_shardings: tuple[Any, ...]
     num_outputs: int
@@ -184,6 +185,7 @@ class JaxRuntime:
         self._programs[op.program_id] = _Program(
             name=op.name or exported.fun_name,
             exported=exported,
+            mesh=mesh,
             call=jax.jit(exported.call),
             in_shardings=tuple(exported.in_shardings_jax(mesh)),
             num_outputs=len(exported.out_avals),
@@ -201,9 +203,7 @@ class JaxRuntime:
             if want is not None and not arg.sharding.is_equivalent_to(want, arg.ndim):
                 arg = jax.device_put(arg, want)
             args.append(arg)
-        # The artifact was traced with pytree arguments; rebuild them from the flat list.
-        tree_args, tree_kwargs = jax.tree.unflatten(program.exported.in_tree, args)
-        outputs = jax.tree.leaves(program.call(*tree_args, **tree_kwargs))
+        outputs = self._call(program, args)
         if len(outputs) != len(op.outputs):
             raise RuntimeError(
                 f"program returned {len(outputs)} arrays, controller expected {len(op.outputs)}"
@@ -211,6 +211,37 @@ class JaxRuntime:
         for handle, array in zip(op.outputs, outputs, strict=True):
             self.buffers.put(handle, array)
         return _Outputs(outputs)
+
+    @staticmethod
+    def _call(program: _Program, args: list[Any]) -> list[Any]:
+        import jax
+
+        # The artifact was traced with pytree arguments; rebuild them from the flat list.
+        tree_args, tree_kwargs = jax.tree.unflatten(program.exported.in_tree, args)
+        # The mesh context gives the devices to programs that take no array arguments.
+        with jax.set_mesh(program.mesh):
+            return jax.tree.leaves(program.call(*tree_args, **tree_kwargs))
+
+    def run_loop(self, program_id: str, handles: list[str], n: int, window: int) -> float:
+        """Runs a loaded program `n` times, each call fed the previous call's outputs,
+        straight from this process with its own bounded window: what a multi-controller
+        JAX program does. For benchmarks only; run it on every process of the gang at
+        once, and never while the gang's executor has work. Returns the seconds taken."""
+        from collections import deque
+
+
+        program = self._programs[program_id]
+        args = [self.buffers.get(h) for h in handles]
+        in_flight: deque[Any] = deque()
+        started = time.perf_counter()
+        for _ in range(n):
+            args = self._call(program, args)
+            in_flight.append(args[0])
+            if len(in_flight) > window:
+                in_flight.popleft().block_until_ready()
+        for a in args:
+            a.block_until_ready()
+        return time.perf_counter() - started
 
     # -- reads ---------------------------------------------------------------------
 

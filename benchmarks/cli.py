@@ -1,0 +1,51 @@
+"""`slicewise bench [NAME ...]`: run benchmarks side by side with their baselines and
+write results/<name>.json and results/<name>.png."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+import time
+
+# name -> module under benchmarks/; each has run(quick) -> dict, plot, report.
+BENCHMARKS = {
+    "dispatch": "benchmarks.dispatch",
+    "transfer": "benchmarks.transfer",
+    "putfetch": "benchmarks.putfetch",
+    "scheduler": "benchmarks.scheduler",
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="slicewise bench", description=__doc__)
+    parser.add_argument("names", nargs="*", metavar="NAME",
+                        help=f"benchmarks to run (default: all of {', '.join(BENCHMARKS)})")
+    parser.add_argument("--quick", action="store_true", help="fewer sizes and repeats")
+    args = parser.parse_args(argv)
+    unknown = [n for n in args.names if n not in BENCHMARKS]
+    if unknown:
+        parser.error(f"unknown benchmark(s) {unknown}; known: {', '.join(BENCHMARKS)}")
+    from benchmarks.common import write_result
+
+    failed = []
+    for name in args.names or list(BENCHMARKS):
+        module = importlib.import_module(BENCHMARKS[name])
+        print(f"== {name}: {module.__doc__.strip().splitlines()[0]}", flush=True)
+        started = time.monotonic()
+        try:
+            result = module.run(args.quick)
+        except Exception as exc:  # noqa: BLE001 - report, go on with the next benchmark
+            print(f"   {name} failed: {type(exc).__name__}: {exc}", file=sys.stderr)
+            failed.append(name)
+            continue
+        result["seconds"] = round(time.monotonic() - started, 1)
+        json_path, png_path = write_result(name, result, getattr(module, "plot", None))
+        print(module.report(result) if hasattr(module, "report") else "", flush=True)
+        print(f"   wrote {json_path}" + (f" and {png_path}" if png_path else "")
+              + f" in {result['seconds']} s", flush=True)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,165 @@
+"""What every benchmark shares: the machine description, summary statistics, a
+controller to measure, a raw-socket baseline, and writing results as JSON + PNG."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import platform
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator, Sequence
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+RESULTS = Path(__file__).resolve().parents[1] / "results"
+
+
+def machine() -> dict[str, Any]:
+    """Where and with what a result was measured."""
+    cpu = platform.processor() or platform.machine()
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    mem_gib = None
+    with contextlib.suppress(OSError, ValueError):
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemTotal"):
+                mem_gib = round(int(line.split()[1]) / 2**20, 1)
+    versions = {}
+    for package in ("jax", "jaxlib", "ray", "grpcio", "protobuf", "numpy", "slicewise"):
+        with contextlib.suppress(metadata.PackageNotFoundError):
+            versions[package] = metadata.version(package)
+    return {"cpu": cpu, "cores": os.cpu_count(), "memory_gib": mem_gib,
+            "python": platform.python_version(), "os": platform.platform(),
+            "versions": versions, "date": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
+
+
+def summarize(samples: Sequence[float]) -> dict[str, float]:
+    """Median, min, max, p99 and count of a list of measurements."""
+    ordered = sorted(samples)
+    p99 = ordered[min(len(ordered) - 1, int(round(0.99 * (len(ordered) - 1))))]
+    return {"median": statistics.median(ordered), "min": ordered[0], "max": ordered[-1],
+            "p99": p99, "n": len(ordered)}
+
+
+def repeat(fn: Callable[[], float], times: int) -> dict[str, float]:
+    """Runs `fn` (which returns one measurement) `times` times and summarizes."""
+    return summarize([fn() for _ in range(times)])
+
+
+def write_result(name: str, result: dict[str, Any], plot: Callable[[dict, Path], None] | None,
+                 out_dir: Path = RESULTS) -> tuple[Path, Path | None]:
+    """Writes results/<name>.json (and <name>.png when a plot function is given)."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    result = {"benchmark": name, "machine": machine(), **result}
+    json_path = out_dir / f"{name}.json"
+    json_path.write_text(json.dumps(result, indent=2, default=float) + "\n")
+    png_path = None
+    if plot is not None:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        png_path = out_dir / f"{name}.png"
+        plot(result, png_path)
+    return json_path, png_path
+
+
+@contextlib.contextmanager
+def sim_controller(spec: str, *extra: str) -> Iterator[Any]:
+    """A controller on a simulated cluster, its log in a temp file (path printed)."""
+    from controller.launch import ControllerProcess
+
+    log_path = Path(tempfile.gettempdir()) / f"slicewise-bench-{os.getpid()}-{spec}.log"
+    with open(log_path, "w") as log:
+        controller = ControllerProcess(sim=spec, stderr=log, extra_args=extra)
+        try:
+            yield controller
+        finally:
+            controller.stop()
+
+
+@contextlib.contextmanager
+def attached_to_ray(client: Any) -> Iterator[None]:
+    """Joins the controller's Ray cluster as a second driver (for baselines that talk to
+    workers directly)."""
+    from controller.server import prepare_environment
+
+    address = client.health().ray_address
+    prepare_environment(address)
+    import ray
+
+    ray.init(address=address, namespace="slicewise", log_to_driver=False,
+             logging_level="WARNING")
+    try:
+        yield
+    finally:
+        ray.shutdown()
+
+
+# -- the raw loopback socket: the limit of moving bytes between two processes here -----
+
+_SOCKET_SERVER = r"""
+import socket, sys
+sock = socket.create_server(("127.0.0.1", 0))
+print(sock.getsockname()[1], flush=True)
+buf = bytearray(16 * 2**20)
+view = memoryview(buf)
+while True:
+    conn, _ = sock.accept()
+    with conn:
+        header = conn.recv(8, socket.MSG_WAITALL)
+        if len(header) < 8:
+            break
+        left = int.from_bytes(header, "big")
+        while left:
+            n = conn.recv_into(view[:min(left, len(buf))])
+            if n == 0:
+                break
+            left -= n
+        conn.sendall(b"k")
+"""
+
+
+class RawSocketSink:
+    """A separate process that receives N bytes over loopback TCP and acknowledges."""
+
+    def __init__(self) -> None:
+        self._proc = subprocess.Popen([sys.executable, "-c", _SOCKET_SERVER],
+                                      stdout=subprocess.PIPE, text=True)
+        self.port = int(self._proc.stdout.readline())
+
+    def send(self, payload: memoryview) -> float:
+        """Seconds to move `payload` to the other process (connection included)."""
+        started = time.perf_counter()
+        with socket.create_connection(("127.0.0.1", self.port)) as conn:
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            conn.sendall(len(payload).to_bytes(8, "big"))
+            conn.sendall(payload)
+            if conn.recv(1) != b"k":
+                raise RuntimeError("the raw socket sink did not acknowledge")
+        return time.perf_counter() - started
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", self.port)):
+            pass
+        self._proc.kill()
+        self._proc.wait(timeout=10)
+
+    def __enter__(self) -> RawSocketSink:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def size_label(nbytes: int) -> str:
+    return f"{nbytes // 2**30} GiB" if nbytes >= 2**30 else f"{nbytes // 2**20} MiB"

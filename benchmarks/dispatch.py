@@ -1,0 +1,214 @@
+"""Dispatch throughput: the Pathways paper's micro-benchmark (Barham et al., 2022, Fig. 5
+and 6) on a simulated 2-slice gang.
+
+A trivial gang-wide computation (a scalar all-reduce over every chip plus a scalar add)
+is run three ways through slicewise, in computations per second:
+  OpByOp  - one Execute RPC per computation (asynchronous, chained; fetch at the end),
+            and the same waited for one by one;
+  Chained - 128 computations in one ExecuteBatch request;
+  Fused   - 128 computations compiled into one program;
+against (a) multi-controller JAX running the same loop on the same worker processes with
+no controller, and (b) a plain Ray driver calling ordinary actors once per computation.
+Then the paper's Figure 6 sweep: the computation made longer (0.1 ms to ~100 ms of
+per-device work) to find the shortest computation for which slicewise's OpByOp
+throughput reaches 95% of multi-controller JAX (the paper reports 2.3 ms at 16 hosts).
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from benchmarks.common import attached_to_ray, sim_controller, write_result
+
+SIM = "2xv5litepod-4"
+AXES = ("slice", "chip")
+CHAIN = 128
+WINDOW = 3
+
+
+def _rate(n: int, fn: Any) -> float:
+    started = time.perf_counter()
+    fn()
+    return n / (time.perf_counter() - started)
+
+
+def _opbyop_async(program: Any, x: Any, n: int) -> float:
+    def run() -> None:
+        y = x
+        for _ in range(n):
+            y = program(y)
+        y.block_until_ready()
+    return _rate(n, run)
+
+
+def _opbyop_waited(program: Any, x: Any, n: int) -> float:
+    def run() -> None:
+        y = x
+        for _ in range(n):
+            y = program(y).block_until_ready()
+    return _rate(n, run)
+
+
+def _chained(program: Any, x: Any, batches: int) -> float:
+    def run() -> None:
+        y = x
+        for _ in range(batches):
+            y = program.chain(CHAIN, y)
+        y.block_until_ready()
+    return _rate(batches * CHAIN, run)
+
+
+def _fused(program: Any, x: Any, calls: int) -> float:
+    def run() -> None:
+        y = x
+        for _ in range(calls):
+            y = program(y)
+        y.block_until_ready()
+    return _rate(calls * CHAIN, run)
+
+
+def _best(times: int, fn: Any) -> dict[str, float]:
+    rates = [fn() for _ in range(times)]
+    return {"median": float(np.median(rates)), "min": min(rates), "max": max(rates)}
+
+
+def run(quick: bool = False) -> dict[str, Any]:
+    import slicewise
+    from benchmarks.baselines import multi_controller_rate, plain_ray_rates
+    from controller.mesh import GangShape
+    from programs.microbench import allreduce_add, fused_allreduce_add
+
+    n = 200 if quick else 1000
+    reps = 1 if quick else 3
+    lengths = [0, 30, 300] if quick else [0, 3, 10, 30, 100, 300, 1000, 3000]
+    out: dict[str, Any] = {"config": {"sim": SIM, "chain": CHAIN, "calls": n, "repeats": reps,
+                                      "window": WINDOW, "quick": quick}}
+    with sim_controller(SIM) as controller, slicewise.connect(controller.address) as client:
+        gang = client.allocate(slices=2, slice_type="v5litepod-4", timeout=300)
+        mesh = gang.mesh(dcn={"slice": 2}, ici={"chip": 4})
+        x = gang.put(np.zeros(8, np.float32), mesh.sharding(AXES))
+        step = gang.compile(allreduce_add(mesh.abstract, AXES), x, name="allreduce_add")
+        fused = gang.compile(fused_allreduce_add(mesh.abstract, AXES, CHAIN), x, name="fused")
+        check = step.chain(CHAIN, x)
+        assert check.fetch().tolist() == [float(CHAIN)] * 8, "the benchmark computes wrongly"
+        fused(x).block_until_ready()
+
+        shapes = {
+            "opbyop": _best(reps, lambda: _opbyop_async(step, x, n)),
+            "opbyop_waited": _best(reps, lambda: _opbyop_waited(step, x, n // 4)),
+            "chained": _best(reps, lambda: _chained(step, x, max(1, n // CHAIN))),
+            "fused": _best(reps, lambda: _fused(fused, x, max(1, n // CHAIN))),
+        }
+        with attached_to_ray(client):
+            mc = _best(reps, lambda: multi_controller_rate(gang, step.id, [x.handle], n, WINDOW))
+            mc_fused = _best(reps, lambda: CHAIN * multi_controller_rate(
+                gang, fused.id, [x.handle], max(1, n // CHAIN), WINDOW))
+            shape = GangShape(2, 1, 4)
+            nodes = [h.node_id for s in client.cluster_info().slices if s.name in gang.slices
+                     for h in s.hosts]
+            plain = plain_ray_rates(shape, nodes, step.exported.serialize(), mesh.spec,
+                                    np.zeros(8, np.float32), (AXES,), n // 2)
+            baselines = {"multi_controller": mc, "multi_controller_fused": mc_fused,
+                         "plain_ray_waited": plain["waited"],
+                         "plain_ray_pipelined": plain["pipelined"]}
+
+            sweep = []
+            for iters in lengths:
+                program = gang.compile(allreduce_add(mesh.abstract, AXES, work_iters=iters), x,
+                                       name=f"allreduce_add_work{iters}")
+                program(x).block_until_ready()
+                mc_rate = multi_controller_rate(gang, program.id, [x.handle], 20, WINDOW)
+                calls = int(min(n, max(20, 3.0 * mc_rate)))  # about 3 s per measurement
+                mc_rate = multi_controller_rate(gang, program.id, [x.handle], calls, WINDOW)
+                ours = _opbyop_async(program, x, calls)
+                sweep.append({"work_iters": iters, "length_ms": 1e3 / mc_rate, "calls": calls,
+                              "slicewise": ours, "multi_controller": mc_rate,
+                              "ratio": ours / mc_rate})
+        gang.release()
+
+    mc_rate = baselines["multi_controller"]["median"]
+    out["shapes"] = shapes
+    out["baselines"] = baselines
+    out["ratios"] = {
+        "opbyop_vs_multi_controller": shapes["opbyop"]["median"] / mc_rate,
+        "chained_vs_multi_controller": shapes["chained"]["median"] / mc_rate,
+        "fused_vs_multi_controller_fused":
+            shapes["fused"]["median"] / baselines["multi_controller_fused"]["median"],
+        "opbyop_vs_plain_ray_pipelined": shapes["opbyop"]["median"] / plain["pipelined"],
+        "opbyop_waited_vs_plain_ray_waited":
+            shapes["opbyop_waited"]["median"] / plain["waited"],
+    }
+    out["sweep"] = sweep
+    reached = [p["length_ms"] for p in sweep if p["ratio"] >= 0.95]
+    out["break_even_ms"] = min(reached) if reached else None
+    return out
+
+
+def plot(result: dict[str, Any], path: Path) -> None:
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(13, 4.8))
+    labels = ["OpByOp", "OpByOp\n(waited)", "Chained", "Fused", "multi-ctrl\nJAX",
+              "multi-ctrl\nJAX fused", "plain Ray\n(waited)", "plain Ray\n(pipelined)"]
+    s, b = result["shapes"], result["baselines"]
+    values = [s["opbyop"]["median"], s["opbyop_waited"]["median"], s["chained"]["median"],
+              s["fused"]["median"], b["multi_controller"]["median"],
+              b["multi_controller_fused"]["median"], b["plain_ray_waited"],
+              b["plain_ray_pipelined"]]
+    colors = ["tab:blue"] * 4 + ["tab:gray"] * 4
+    left.bar(labels, values, color=colors)
+    left.set_yscale("log")
+    left.set_ylabel("computations / s")
+    left.set_title("all-reduce + add over 8 chips of 2 simulated slices")
+    left.tick_params(axis="x", labelsize=8)
+    sweep = result["sweep"]
+    lengths = [p["length_ms"] for p in sweep]
+    right.plot(lengths, [p["slicewise"] for p in sweep], "o-", label="slicewise OpByOp")
+    right.plot(lengths, [p["multi_controller"] for p in sweep], "s--",
+               label="multi-controller JAX")
+    right.set_xscale("log")
+    right.set_yscale("log")
+    right.set_xlabel("computation length (ms, multi-controller step time)")
+    right.set_ylabel("computations / s")
+    if result.get("break_even_ms"):
+        right.axvline(result["break_even_ms"], color="tab:green", linestyle=":",
+                      label=f"95% reached at {result['break_even_ms']:.1f} ms")
+    right.legend()
+    right.set_title("throughput vs. computation length (paper Fig. 6)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def report(result: dict[str, Any]) -> str:
+    s, b, r = result["shapes"], result["baselines"], result["ratios"]
+    lines = [
+        f"OpByOp {s['opbyop']['median']:.0f}/s (waited {s['opbyop_waited']['median']:.0f}/s), "
+        f"Chained {s['chained']['median']:.0f}/s, Fused {s['fused']['median']:.0f}/s",
+        f"multi-controller JAX {b['multi_controller']['median']:.0f}/s "
+        f"(fused {b['multi_controller_fused']['median']:.0f}/s); plain Ray "
+        f"{b['plain_ray_waited']:.0f}/s waited, {b['plain_ray_pipelined']:.0f}/s pipelined",
+        "ratios: " + ", ".join(f"{k} {v:.2f}" for k, v in r.items()),
+        "sweep: " + ", ".join(f"{p['length_ms']:.2f} ms -> {p['ratio']:.2f}"
+                              for p in result["sweep"]),
+        f"break-even (>= 95% of multi-controller): {result['break_even_ms']} ms",
+    ]
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true")
+    args = parser.parse_args()
+    result = run(args.quick)
+    print(report(result))
+    print(write_result("dispatch", result, plot))
+
+
+if __name__ == "__main__":
+    main()
