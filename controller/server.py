@@ -7,6 +7,7 @@ import asyncio
 import logging
 import os
 import signal
+import tempfile
 from dataclasses import dataclass
 
 log = logging.getLogger(__name__)
@@ -57,6 +58,10 @@ def run(config: ServerConfig) -> int:
                                        head_store_mb=config.head_object_store_mb)
     import ray
 
+    # Ray puts the driver's working directory on every worker's sys.path; a user's
+    # directory holding a `worker.py` or `controller.py` would shadow ours there.
+    workdir = tempfile.TemporaryDirectory(prefix="slicewise-controller-")
+    os.chdir(workdir.name)
     try:
         ray.init(address=simulation.address if simulation else config.ray_address,
                  namespace="slicewise", log_to_driver=False, logging_level=logging.WARNING)
@@ -66,6 +71,7 @@ def run(config: ServerConfig) -> int:
         ray.shutdown()
         if simulation is not None:
             simulation.stop()
+        workdir.cleanup()
         log.info("controller stopped")
 
 

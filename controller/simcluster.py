@@ -220,7 +220,7 @@ class SimulationProcess:
                  start_timeout_s: float = 180.0) -> None:
         self.spec = spec
         self._proc = subprocess.Popen(
-            [sys.executable, "-m", "controller.simcluster", spec,
+            [sys.executable, "-P", "-m", "controller.simcluster", spec,
              "--host-object-store-mb", str(host_store_mb),
              "--head-object-store-mb", str(head_store_mb)],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
