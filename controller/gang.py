@@ -60,7 +60,7 @@ class Gang:
         self._workers: list[Any] = []
         self.data_addresses: list[str] = []
         self.spans = spans or SpanRecorder()
-        self.dispatcher = Dispatcher(self._send, self.shape.num_processes,
+        self.dispatcher = Dispatcher(self._send, self._poll, self.shape.num_processes,
                                      on_broken=self._on_broken, observer=self._observe)
 
     # -- start ----------------------------------------------------------------------
@@ -147,11 +147,17 @@ class Gang:
 
     # -- running --------------------------------------------------------------------
 
-    async def _send(self, worker: int, ops: list[Op]) -> list[OpResult]:
+    async def _send(self, worker: int, ops: list[Op]) -> None:
+        await self._call(worker, "submit", self.epoch, ops)
+
+    async def _poll(self, worker: int, cursor: int) -> list[OpResult]:
+        return await self._call(worker, "completions", cursor, 10.0)
+
+    async def _call(self, worker: int, method: str, *args: Any) -> Any:
         from ray.exceptions import RayActorError
 
         try:
-            return await self._workers[worker].run.remote(self.epoch, ops)
+            return await getattr(self._workers[worker], method).remote(*args)
         except RayActorError as exc:
             raise WorkerError(f"the worker of {self.describe_process(worker)} died "
                               f"({type(exc).__name__})") from exc

@@ -9,7 +9,9 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import threading
 import time
+from collections import deque
 from typing import Any
 
 from controller.mesh import GangShape
@@ -35,6 +37,9 @@ class HostWorker:
         self.process_id = process_id
         self.runtime = JaxRuntime(gang, process_id)
         self.spans = SpanRecorder()
+        self._done: deque[OpResult] = deque()
+        self._done_base = 0  # completion-log position of self._done[0]
+        self._done_cond = threading.Condition()
         self.executor = InOrderExecutor(
             self.runtime.apply, window=window, on_failure=self.runtime.on_failure,
             on_done=self._on_done,
@@ -51,6 +56,9 @@ class HostWorker:
             args["error"] = error
         self.spans.record(name, "execute", started_ns // 1000, finished_ns // 1000,
                           thread="executor", gang=self.gang_id, seq=op.seq, **args)
+        with self._done_cond:
+            self._done.append(OpResult(op.seq, error))
+            self._done_cond.notify_all()
 
     def _receive(self, key: str, pieces: Pieces, started_us: int) -> None:
         self.runtime.stage(key, pieces)
@@ -87,12 +95,30 @@ class HostWorker:
         log.info("gang %s process %d joined: %s", self.gang_id, self.process_id, info)
         return info | {"pid": os.getpid()}
 
-    def run(self, epoch: int, ops: list[Op]) -> list[OpResult]:
-        """Applies `ops` in sequence order; returns when all of them have completed."""
+    def submit(self, epoch: int, ops: list[Op]) -> None:
+        """Queues `ops` for in-order execution; returns at once (see `completions`)."""
         if epoch != self._epoch:
-            return [OpResult(op.seq, f"stale epoch {epoch} (worker is at {self._epoch})")
-                    for op in ops]
-        return self.executor.run(ops)
+            raise RuntimeError(f"stale epoch {epoch} (this worker is at {self._epoch})")
+        self.executor.submit(ops)
+
+    def completions(self, cursor: int, timeout_s: float = 10.0) -> list[OpResult]:
+        """Results of completed operations, in the order they completed, from position
+        `cursor` of this worker's completion log on; waits up to `timeout_s` for one.
+        Entries before `cursor` are forgotten: the caller has them. (Positions, not
+        sequence numbers: an upload or delete completes at once while earlier programs
+        may still be running, so completions do not arrive in sequence order.)"""
+        deadline = time.monotonic() + timeout_s
+        with self._done_cond:
+            drop = min(cursor - self._done_base, len(self._done))
+            for _ in range(max(0, drop)):
+                self._done.popleft()
+            self._done_base += max(0, drop)
+            while not self._done:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    break
+                self._done_cond.wait(remaining)
+            return list(self._done)
 
     def drop_pin(self, pin_id: str) -> None:
         self.runtime.drop_pin(pin_id)

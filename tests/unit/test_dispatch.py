@@ -1,4 +1,5 @@
-"""Dispatcher: sequence numbering, batched windowed delivery, and failure of a gang's transport."""
+"""Dispatcher: sequence numbering, batched delivery, completion tracking, back-pressure,
+and the failure of a gang's transport."""
 
 import asyncio
 
@@ -24,28 +25,48 @@ def delete(seq):
 
 
 class FakeWorkers:
-    """The dispatcher's `send`: records each worker's batches; can hold, fail or err them."""
+    """The dispatcher's transport: `send` records batches; each op completes on its
+    worker (in order) unless held back; `poll` long-polls for completions."""
 
-    def __init__(self, num_workers, *, errors=None, raises=None):
+    def __init__(self, num_workers, *, errors=None, send_raises=None, poll_raises=None,
+                 hold=False):
         self.batches = {w: [] for w in range(num_workers)}
-        self.errors = errors or {}  # (worker, seq) -> error message in the reply
-        self.raises = raises
-        self.gate = asyncio.Event()
-        self.gate.set()
-        self.outstanding = dict.fromkeys(range(num_workers), 0)
-        self.most_outstanding = 0
+        self.errors = errors or {}  # (worker, seq) -> error message
+        self.send_raises = send_raises
+        self.poll_raises = poll_raises
+        self.completed = {w: [] for w in range(num_workers)}
+        self.queued = {w: [] for w in range(num_workers)}
+        self.hold = hold
+        self.changed = asyncio.Event()
 
     async def send(self, worker, ops):
+        await asyncio.sleep(0)
+        if self.send_raises is not None:
+            raise self.send_raises
         self.batches[worker].append(list(ops))
-        self.outstanding[worker] += 1
-        self.most_outstanding = max(self.most_outstanding, self.outstanding[worker])
-        try:
-            await self.gate.wait()
-            if self.raises is not None:
-                raise self.raises
-            return [OpResult(o.seq, self.errors.get((worker, o.seq))) for o in ops]
-        finally:
-            self.outstanding[worker] -= 1
+        self.queued[worker].extend(ops)
+        if not self.hold:
+            self.finish(worker)
+
+    def finish(self, worker, count=None, order=None):
+        """Completes the oldest `count` queued ops of a worker (all by default), in
+        `order` (indices into them) if given: completions need not follow seq order."""
+        count = len(self.queued[worker]) if count is None else count
+        ops = self.queued[worker][:count]
+        for i in order or range(len(ops)):
+            self.completed[worker].append(OpResult(ops[i].seq, self.errors.get((worker, ops[i].seq))))
+        del self.queued[worker][:count]
+        self.changed.set()
+
+    async def poll(self, worker, cursor):
+        while True:
+            if self.poll_raises is not None:
+                raise self.poll_raises
+            ready = self.completed[worker][cursor:]
+            if ready:
+                return ready
+            self.changed.clear()
+            await self.changed.wait()
 
     def seqs(self, worker):
         return [o.seq for batch in self.batches[worker] for o in batch]
@@ -54,9 +75,10 @@ class FakeWorkers:
 def test_seq_numbers_start_at_one_and_each_op_is_built_with_its_own():
     async def scenario():
         workers = FakeWorkers(1)
-        dispatcher = Dispatcher(workers.send, 1)
+        dispatcher = Dispatcher(workers.send, workers.poll, 1)
         submitted = [dispatcher.submit(delete) for _ in range(5)]
         await asyncio.gather(*(done for _, done in submitted))
+        await dispatcher.close("done")
         return [seq for seq, _ in submitted], workers.seqs(0)
 
     seqs, delivered = run(scenario())
@@ -64,130 +86,160 @@ def test_seq_numbers_start_at_one_and_each_op_is_built_with_its_own():
     assert delivered == [1, 2, 3, 4, 5]
 
 
-def test_every_worker_receives_every_op_in_seq_order():
+def test_every_worker_receives_every_op_in_seq_order_in_bounded_batches():
     async def scenario():
         workers = FakeWorkers(3)
-        dispatcher = Dispatcher(workers.send, 3, max_batch=3, max_outstanding_batches=4)
+        dispatcher = Dispatcher(workers.send, workers.poll, 3, max_batch=3)
         dones = [dispatcher.submit(delete)[1] for _ in range(10)]
         errors = await asyncio.gather(*dones)
+        await dispatcher.close("done")
         return workers, dispatcher, errors
 
     workers, dispatcher, errors = run(scenario())
     assert errors == [None] * 10
     for w in range(3):
-        assert [len(batch) for batch in workers.batches[w]] == [3, 3, 3, 1]
+        assert all(len(batch) <= 3 for batch in workers.batches[w])
         assert workers.seqs(w) == list(range(1, 11))
     assert dispatcher.dispatched == dispatcher.completed == 10
 
 
-def test_per_worker_op_lists_go_to_their_own_worker():
+def test_per_worker_ops_go_to_their_own_worker():
     async def scenario():
-        workers = FakeWorkers(3)
-        dispatcher = Dispatcher(workers.send, 3)
-        _, done = dispatcher.submit(lambda seq: [DeleteOp(seq, (f"w{w}",)) for w in range(3)])
+        workers = FakeWorkers(2)
+        dispatcher = Dispatcher(workers.send, workers.poll, 2)
+        _, done = dispatcher.submit(lambda seq: [DeleteOp(seq, ("a",)), DeleteOp(seq, ("b",))])
         await done
+        await dispatcher.close("done")
         return workers
 
     workers = run(scenario())
-    for w in range(3):
-        assert workers.batches[w] == [[DeleteOp(1, (f"w{w}",))]]
+    assert workers.batches[0][0][0].handles == ("a",)
+    assert workers.batches[1][0][0].handles == ("b",)
 
 
-def test_batches_are_bounded_and_few_are_outstanding_at_once():
+def test_an_op_settles_only_when_every_worker_reported_it():
     async def scenario():
-        workers = FakeWorkers(2)
-        workers.gate.clear()
-        dispatcher = Dispatcher(workers.send, 2, max_batch=2, max_outstanding_batches=3)
-        for _ in range(11):
-            dispatcher.submit(delete)
-        await until(lambda: all(len(b) == 3 for b in workers.batches.values()))
-        await asyncio.sleep(0.01)  # time for a fourth batch to go out, if the window leaked
-        queued = dispatcher.queued
-        await dispatcher.close("test over")
-        return workers, queued
-
-    workers, queued = run(scenario())
-    assert workers.batches[0] == [[delete(1), delete(2)], [delete(3), delete(4)],
-                                  [delete(5), delete(6)]]
-    assert workers.batches[1] == workers.batches[0]
-    assert queued == 5
-    assert workers.most_outstanding == 3
-
-
-def test_queued_batches_go_out_when_outstanding_ones_complete():
-    async def scenario():
-        workers = FakeWorkers(1)
-        dispatcher = Dispatcher(workers.send, 1, max_batch=1, max_outstanding_batches=1)
-        dones = [dispatcher.submit(delete)[1] for _ in range(3)]
-        return await asyncio.wait_for(asyncio.gather(*dones), 0.5)
-
-    assert run(scenario()) == [None, None, None]
-
-
-def test_a_worker_error_settles_only_that_op_with_the_first_workers_message():
-    async def scenario():
-        workers = FakeWorkers(3, errors={(1, 2): "boom on 1", (2, 2): "boom on 2"})
-        dispatcher = Dispatcher(workers.send, 3)
-        dones = [dispatcher.submit(delete)[1] for _ in range(3)]
-        return dispatcher, await asyncio.gather(*dones)
-
-    dispatcher, errors = run(scenario())
-    assert errors == [None, "boom on 1", None]
-    assert dispatcher.broken is None
-
-
-def test_send_raising_breaks_the_gang_and_fails_everything_not_done():
-    broken = []
-
-    async def scenario():
-        workers = FakeWorkers(2, raises=ConnectionError("actor died"))
-        dispatcher = Dispatcher(workers.send, 2, max_batch=2, max_outstanding_batches=1,
-                                on_broken=broken.append)
-        dones = [dispatcher.submit(delete)[1] for _ in range(5)]
-        errors = await asyncio.gather(*dones)
-        with pytest.raises(GangBrokenError, match="actor died"):
-            dispatcher.submit(delete)
-        return workers, dispatcher, errors
-
-    workers, dispatcher, errors = run(scenario())
-    assert "ConnectionError: actor died" in dispatcher.broken
-    assert broken == [dispatcher.broken]
-    assert errors == [dispatcher.broken] * 5
-    # the queued ops were failed, never sent: only the first batch reached the workers
-    assert workers.seqs(0) == [1, 2]
-
-
-def test_close_fails_pending_ops_without_calling_on_broken():
-    broken = []
-
-    async def scenario():
-        workers = FakeWorkers(2)
-        workers.gate.clear()
-        dispatcher = Dispatcher(workers.send, 2, max_batch=1, max_outstanding_batches=1,
-                                on_broken=broken.append)
-        dones = [dispatcher.submit(delete)[1] for _ in range(3)]
-        await until(lambda: workers.batches[1])
-        await dispatcher.close("gang g1 was released")
-        errors = await asyncio.gather(*dones)
-        with pytest.raises(GangBrokenError, match="released"):
-            dispatcher.submit(delete)
-        return dispatcher, errors
-
-    dispatcher, errors = run(scenario())
-    assert errors == ["gang g1 was released"] * 3
-    assert dispatcher.broken == "gang g1 was released"
-    assert broken == []
-
-
-def test_close_fails_a_batch_whose_delivery_has_not_started_yet():
-    async def scenario():
-        workers = FakeWorkers(1)
-        dispatcher = Dispatcher(workers.send, 1)
+        workers = FakeWorkers(2, hold=True)
+        dispatcher = Dispatcher(workers.send, workers.poll, 2)
         _, done = dispatcher.submit(delete)
-        await asyncio.sleep(0)  # one step: the pump takes the op into a delivery task ...
-        assert dispatcher.queued == 0
-        assert workers.batches[0] == []  # ... which has not run yet
-        await dispatcher.close("gang g1 was released")
-        return await asyncio.wait_for(done, 0.5)
+        await until(lambda: workers.queued[0] and workers.queued[1])
+        workers.finish(0)
+        await asyncio.sleep(0.01)
+        early = done.done()
+        workers.finish(1)
+        result = await done
+        await dispatcher.close("done")
+        return early, result
 
-    assert run(scenario()) == "gang g1 was released"
+    early, result = run(scenario())
+    assert early is False
+    assert result is None
+
+
+def test_in_flight_operations_are_bounded_and_the_rest_follow_as_they_complete():
+    async def scenario():
+        workers = FakeWorkers(2, hold=True)
+        dispatcher = Dispatcher(workers.send, workers.poll, 2, max_batch=2, max_in_flight=4)
+        dones = [dispatcher.submit(delete)[1] for _ in range(11)]
+        await until(lambda: len(workers.queued[0]) == 4 and len(workers.queued[1]) == 4)
+        await asyncio.sleep(0.01)
+        first_wave = (workers.seqs(0), dispatcher.in_flight, dispatcher.queued)
+        while not all(d.done() for d in dones):  # complete one at a time, like slow programs
+            for w in range(2):
+                workers.finish(w, 1)
+            await asyncio.sleep(0.001)
+        await dispatcher.close("done")
+        return first_wave, dispatcher, workers
+
+    (delivered, in_flight, queued), dispatcher, workers = run(scenario())
+    assert delivered == [1, 2, 3, 4] and in_flight == 4 and queued == 7
+    assert dispatcher.most_in_flight == 4
+    assert workers.seqs(0) == workers.seqs(1) == list(range(1, 12))
+    assert dispatcher.completed == 11
+
+
+def test_a_worker_error_fails_that_op_only():
+    async def scenario():
+        workers = FakeWorkers(2, errors={(1, 2): "boom on worker 1"})
+        dispatcher = Dispatcher(workers.send, workers.poll, 2)
+        dones = [dispatcher.submit(delete)[1] for _ in range(3)]
+        results = await asyncio.gather(*dones)
+        await dispatcher.close("done")
+        return results, dispatcher.broken
+
+    results, broken = run(scenario())
+    assert results == [None, "boom on worker 1", None]
+    assert broken == "done"
+
+
+@pytest.mark.parametrize("where", ["send", "poll"])
+def test_a_broken_transport_fails_everything_and_refuses_more(where):
+    broken_calls = []
+
+    async def scenario():
+        error = ConnectionError("worker 0 died")
+        workers = FakeWorkers(2, hold=True, **{f"{where}_raises": error})
+        dispatcher = Dispatcher(workers.send, workers.poll, 2, max_in_flight=2,
+                                on_broken=broken_calls.append)
+        dones = [dispatcher.submit(delete)[1] for _ in range(5)]
+        results = await asyncio.gather(*dones)
+        with pytest.raises(GangBrokenError, match="worker 0 died"):
+            dispatcher.submit(delete)
+        await dispatcher.close("released")
+        return results, dispatcher.broken
+
+    results, broken = run(scenario())
+    assert all("worker 0 died" in r for r in results)
+    assert "worker 0 died" in broken
+    assert len(broken_calls) == 1
+
+
+def test_close_fails_pending_work_without_calling_it_broken():
+    broken_calls = []
+
+    async def scenario():
+        workers = FakeWorkers(1, hold=True)
+        dispatcher = Dispatcher(workers.send, workers.poll, 1, max_in_flight=1,
+                                on_broken=broken_calls.append)
+        dones = [dispatcher.submit(delete)[1] for _ in range(3)]
+        await until(lambda: workers.queued[0])
+        await dispatcher.close("gang g1 was released")
+        return await asyncio.gather(*dones)
+
+    assert run(scenario()) == ["gang g1 was released"] * 3
+    assert broken_calls == []
+
+
+def test_observer_hears_every_settled_op_with_its_kind_and_timing():
+    seen = []
+
+    async def scenario():
+        workers = FakeWorkers(1, errors={(0, 2): "bad"})
+        dispatcher = Dispatcher(workers.send, workers.poll, 1,
+                                observer=lambda *args: seen.append(args))
+        await asyncio.gather(*(dispatcher.submit(delete)[1] for _ in range(2)))
+        await dispatcher.close("done")
+
+    run(scenario())
+    assert [(kind, seq, error) for kind, seq, _, _, error in seen] == [
+        ("delete", 1, None), ("delete", 2, "bad")]
+    assert all(settled >= queued for _, _, queued, settled, _ in seen)
+
+
+def test_completions_out_of_sequence_order_are_all_counted():
+    """An upload completes at once while earlier programs still run: the later seq is
+    reported first, and the earlier ones must still settle."""
+    async def scenario():
+        workers = FakeWorkers(2, hold=True)
+        dispatcher = Dispatcher(workers.send, workers.poll, 2)
+        dones = [dispatcher.submit(delete)[1] for _ in range(3)]
+        await until(lambda: len(workers.queued[0]) == 3 and len(workers.queued[1]) == 3)
+        workers.finish(0, order=[2, 0, 1])
+        workers.finish(1, order=[2, 1, 0])
+        results = await asyncio.gather(*dones)
+        await dispatcher.close("done")
+        return results, dispatcher.completed
+
+    results, completed = run(scenario())
+    assert results == [None, None, None]
+    assert completed == 3
