@@ -10,6 +10,7 @@ import asyncio
 import enum
 import itertools
 import math
+import time
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -81,11 +82,13 @@ class ArrayRecord:
     state: ArrayState = ArrayState.PENDING
     error: str = ""
     settled: asyncio.Event = field(default_factory=asyncio.Event, repr=False)
+    settled_at: float = 0.0  # time.monotonic() when the controller learned it was done
 
     def settle(self, error: str | None) -> None:
         if self.state is ArrayState.PENDING:
             self.state = ArrayState.FAILED if error else ArrayState.READY
             self.error = error or ""
+            self.settled_at = time.monotonic()
         self.settled.set()
 
     def require_usable(self) -> None:

@@ -19,7 +19,7 @@ def _controller(args: argparse.Namespace) -> int:
             host=args.host, port=args.port, sim=args.sim, ray_address=args.ray_address,
             host_object_store_mb=args.host_object_store_mb,
             head_object_store_mb=args.head_object_store_mb, worker_window=args.window,
-            metrics_port=args.metrics_port,
+            metrics_port=args.metrics_port, state_dir=args.state_dir,
         )
     except ValueError as exc:
         print(f"slicewise controller: {exc}", file=sys.stderr)
@@ -57,6 +57,117 @@ def _trace(args: argparse.Namespace) -> int:
         json.dump(trace, f)
     spans = sum(1 for e in trace["traceEvents"] if e.get("ph") == "X")
     print(f"wrote {spans} spans to {args.output} (open it in https://ui.perfetto.dev)")
+    return 0
+
+
+def _connect(args: argparse.Namespace, command: str):  # noqa: ANN202
+    from controller.client import connect
+
+    try:
+        return connect(args.controller, name=f"slicewise {command}", timeout=args.timeout)
+    except ConnectionError as exc:
+        print(f"slicewise {command}: {exc}", file=sys.stderr)
+        raise SystemExit(1) from None
+
+
+def _pairs(items: list[str], what: str, convert=str) -> dict:  # noqa: ANN001
+    out = {}
+    for item in (p for chunk in items for p in chunk.split(",") if p):
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise SystemExit(f"slicewise: {what} {item!r} is not of the form key=value")
+        try:
+            out[key.strip()] = convert(value.strip())
+        except ValueError:
+            raise SystemExit(f"slicewise: {what} {item!r}: {value!r} is not a number") from None
+    return out
+
+
+def _follow_job(client, job_id: str, plain: bool | None) -> int:  # noqa: ANN001
+    from controller.errors import SlicewiseError
+    from controller.jobview import follow, summary
+    from protos import controller_pb2 as pb
+
+    try:
+        job = follow(client.watch_job(job_id), plain=plain)
+    except KeyboardInterrupt:
+        print(f"\ndetached from {job_id}; it keeps running. Re-attach: slicewise watch "
+              f"{job_id}; stop it: slicewise cancel {job_id}")
+        return 0
+    except SlicewiseError as exc:
+        print(f"slicewise: {exc}", file=sys.stderr)
+        return 1
+    steps = list(client.job_metrics(job_id).steps)
+    print(summary(job, steps))
+    return 0 if job.state == pb.JOB_STATE_SUCCEEDED else 1
+
+
+def _train(args: argparse.Namespace) -> int:
+    from controller.errors import SlicewiseError
+
+    overrides = _pairs(args.set, "--set")
+    dcn = _pairs(args.dcn, "--dcn", int)
+    ici = _pairs(args.ici, "--ici", int)
+    with _connect(args, "train") as client:
+        try:
+            job = client.submit_job(args.program, slices=args.slices,
+                                    slice_type=args.slice_type, steps=args.steps,
+                                    overrides=overrides, dcn=dcn, ici=ici)
+        except SlicewiseError as exc:
+            print(f"slicewise train: {exc}", file=sys.stderr)
+            return 1
+        if args.detach:
+            print(job.job_id)
+            return 0
+        print(f"submitted {job.job_id}: {args.program} on {args.slices} x {args.slice_type}, "
+              f"{args.steps} steps (Ctrl-C detaches; the job keeps running)", flush=True)
+        return _follow_job(client, job.job_id, True if args.plain else None)
+
+
+def _watch(args: argparse.Namespace) -> int:
+    with _connect(args, "watch") as client:
+        return _follow_job(client, args.job, True if args.plain else None)
+
+
+def _cancel(args: argparse.Namespace) -> int:
+    from controller.errors import SlicewiseError
+    from controller.jobview import state_name
+
+    with _connect(args, "cancel") as client:
+        try:
+            job = client.cancel_job(args.job)
+        except SlicewiseError as exc:
+            print(f"slicewise cancel: {exc}", file=sys.stderr)
+            return 1
+        print(f"{job.job_id}: cancelling ({state_name(job.state)} at step {job.step})")
+    return 0
+
+
+def _jobs(args: argparse.Namespace) -> int:
+    import json
+
+    from controller.errors import SlicewiseError
+    from controller.jobview import print_jobs, summary
+
+    with _connect(args, "jobs") as client:
+        if not args.job:
+            print_jobs(client.jobs())
+            return 0
+        try:
+            metrics = client.job_metrics(args.job)
+        except SlicewiseError as exc:
+            print(f"slicewise jobs: {exc}", file=sys.stderr)
+            return 1
+        if args.json:
+            from google.protobuf.json_format import MessageToDict
+
+            print(json.dumps(MessageToDict(metrics), indent=2))
+        else:
+            print(summary(metrics.job, list(metrics.steps)))
+            for s in metrics.steps:
+                print(f"step {s.step + 1:5d} loss {s.loss:.4f} grad_norm {s.grad_norm:.3f} "
+                      f"lr {s.learning_rate:.2e} {1e3 * s.step_time_s:7.1f} ms "
+                      f"{s.tokens_per_s:10,.0f} tok/s")
     return 0
 
 
@@ -108,6 +219,9 @@ def build_parser() -> argparse.ArgumentParser:
     _object_store_flags(p)
     p.add_argument("--metrics-port", type=int, metavar="PORT",
                    help="serve Prometheus metrics on this port (0 picks a free one)")
+    p.add_argument("--state-dir", metavar="DIR",
+                   help="where the journal of jobs and metrics lives (default: a temporary "
+                        "directory with --sim, ~/.local/state/slicewise otherwise)")
     p.add_argument("--log-format", choices=("text", "json"), default="text",
                    help="log lines as text or as JSON objects (default %(default)s)")
     p.add_argument("-v", "--verbose", action="store_true")
@@ -127,6 +241,44 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("demo", help="start a simulated cluster and run a sharded program on it")
     p.add_argument("--sim", default="2xv5litepod-4", metavar="SPEC")
     p.set_defaults(func=_demo)
+
+    p = sub.add_parser("train", help="submit a training job of an installed program and "
+                                      "follow it (Ctrl-C detaches)")
+    p.add_argument("program", help="an installed program, e.g. lm (see programs/)")
+    p.add_argument("--controller", default=DEFAULT_ADDRESS, metavar="ADDR")
+    p.add_argument("--slices", type=int, default=1)
+    p.add_argument("--slice-type", default="v5litepod-4")
+    p.add_argument("--steps", type=int, required=True)
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="config override, e.g. --set d_model=256 (repeatable)")
+    p.add_argument("--dcn", action="append", default=[], metavar="AXIS=N",
+                   help="mesh axes across slices, e.g. data=2 (default: data=SLICES)")
+    p.add_argument("--ici", action="append", default=[], metavar="AXIS=N",
+                   help="mesh axes inside a slice, e.g. fsdp=2,tensor=2 (default: fsdp=chips)")
+    p.add_argument("--detach", action="store_true", help="print the job id and return at once")
+    p.add_argument("--plain", action="store_true", help="one line per step, no progress bar")
+    p.add_argument("--timeout", type=float, default=10.0)
+    p.set_defaults(func=_train)
+
+    p = sub.add_parser("watch", help="follow a running job from any terminal")
+    p.add_argument("job")
+    p.add_argument("--controller", default=DEFAULT_ADDRESS, metavar="ADDR")
+    p.add_argument("--plain", action="store_true", help="one line per step, no progress bar")
+    p.add_argument("--timeout", type=float, default=10.0)
+    p.set_defaults(func=_watch)
+
+    p = sub.add_parser("cancel", help="stop a job and free its slices")
+    p.add_argument("job")
+    p.add_argument("--controller", default=DEFAULT_ADDRESS, metavar="ADDR")
+    p.add_argument("--timeout", type=float, default=10.0)
+    p.set_defaults(func=_cancel)
+
+    p = sub.add_parser("jobs", help="list jobs, or show one job's per-step metrics")
+    p.add_argument("job", nargs="?", help="a job id: print its metrics")
+    p.add_argument("--json", action="store_true", help="with JOB: metrics as JSON")
+    p.add_argument("--controller", default=DEFAULT_ADDRESS, metavar="ADDR")
+    p.add_argument("--timeout", type=float, default=10.0)
+    p.set_defaults(func=_jobs)
 
     sub.add_parser("bench", help="run benchmarks against their baselines: slicewise bench "
                                  "[--quick] [NAME ...]")

@@ -99,6 +99,39 @@ class Client:
             _raise_from(err)
         return json.loads(data)
 
+    # -- training jobs ------------------------------------------------------------------
+
+    def submit_job(self, program: str, *, slices: int, slice_type: str, steps: int,
+                   overrides: Mapping[str, str] | None = None,
+                   dcn: Mapping[str, int] | None = None,
+                   ici: Mapping[str, int] | None = None) -> pb.JobInfo:
+        """Submits a training job of an installed program; returns at once (it queues)."""
+        request = pb.SubmitJobRequest(
+            program=program, num_slices=slices, slice_type=slice_type, steps=steps,
+            overrides={k: str(v) for k, v in (overrides or {}).items()}, client=self.name)
+        if dcn or ici:
+            request.mesh.CopyFrom(wire.mesh_to_pb(MeshSpec.build(dcn, ici)))
+        return _call(self.stub.SubmitJob, request, timeout=60)
+
+    def job(self, job_id: str) -> pb.JobInfo:
+        return _call(self.stub.GetJob, pb.GetJobRequest(job_id=job_id), timeout=30)
+
+    def jobs(self) -> list[pb.JobInfo]:
+        return list(_call(self.stub.ListJobs, pb.ListJobsRequest(), timeout=30).jobs)
+
+    def cancel_job(self, job_id: str) -> pb.JobInfo:
+        return _call(self.stub.CancelJob, pb.CancelJobRequest(job_id=job_id), timeout=30)
+
+    def job_metrics(self, job_id: str) -> pb.JobMetrics:
+        return _call(self.stub.GetJobMetrics, pb.GetJobRequest(job_id=job_id), timeout=60)
+
+    def watch_job(self, job_id: str) -> Iterator[pb.JobEvent]:
+        """The job's snapshot, then its steps and state changes until it ends."""
+        try:
+            yield from self.stub.WatchJob(pb.WatchJobRequest(job_id=job_id))
+        except grpc.RpcError as err:
+            _raise_from(err)
+
     def allocate(self, slices: int, slice_type: str, *, timeout: float = 600.0) -> Gang:
         """Blocks until a gang of `slices` whole slices is admitted and its workers are up."""
         request = pb.AllocateGangRequest(num_slices=slices, slice_type=slice_type,

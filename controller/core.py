@@ -39,7 +39,7 @@ from controller.topology import slice_type
 from controller.trace import Span, SpanRecorder, chrome_trace
 from controller.trace import now_us as trace_now_us
 from worker import transport
-from worker.ops import DeleteOp, ExecOp, LoadOp, PinOp, PutOp
+from worker.ops import BatchOp, DeleteOp, ExecOp, LoadOp, PinOp, PutOp
 
 log = logging.getLogger(__name__)
 
@@ -315,6 +315,26 @@ class Controller:
             seq, record.handle, spec.shape, spec.dtype, target.sharding, key))
         done.add_done_callback(lambda f: record.settle(f.result()))
         return record
+
+    async def put_array(self, gang_id: str, array: np.ndarray, sharding: ShardingSpec
+                        ) -> ArrayRecord:
+        """Uploads an array from inside the controller (e.g. a job's PRNG key)."""
+        array = np.require(array, requirements="C")
+        target = self.begin_put(gang_id, ArraySpec.of(array.shape, array.dtype), sharding)
+        target.buffer[:] = array.reshape(-1).view(np.uint8)
+        return await self.finish_put(target)
+
+    def load_batch(self, gang_id: str, program: str, overrides: tuple[tuple[str, str], ...],
+                   step: int, sharding: ShardingSpec, specs: Sequence[ArraySpec]) -> list[str]:
+        """Queues "build your rows of the batch of `step`" on every worker of the gang;
+        returns the handles of the batch fields (in sorted field order)."""
+        gang = self.get_gang(gang_id)
+        records = [self.arrays.new(gang_id, spec, sharding) for spec in specs]
+        handles = tuple(r.handle for r in records)
+        _, done = gang.dispatcher.submit(
+            lambda seq: BatchOp(seq, program, overrides, step, sharding, handles))
+        done.add_done_callback(lambda f: [r.settle(f.result()) for r in records])
+        return list(handles)
 
     async def fetch(self, handle: str, timeout_s: float = 0) -> tuple[ArrayRecord, np.ndarray]:
         """Waits for an array and gathers its pieces from every worker."""

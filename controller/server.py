@@ -9,6 +9,7 @@ import os
 import signal
 import tempfile
 from dataclasses import dataclass
+from pathlib import Path
 
 log = logging.getLogger(__name__)
 
@@ -25,6 +26,9 @@ class ServerConfig:
     head_object_store_mb: int = 3072
     worker_window: int = 3
     metrics_port: int | None = None
+    # Where the journal (jobs, their metrics) lives; None: a fresh temporary directory
+    # with --sim (the simulation dies with the controller), ~/.local/state otherwise.
+    state_dir: str | None = None
 
     def __post_init__(self) -> None:
         if bool(self.sim) == bool(self.ray_address):
@@ -66,7 +70,12 @@ def run(config: ServerConfig) -> int:
         ray.init(address=simulation.address if simulation else config.ray_address,
                  namespace="slicewise", log_to_driver=False, logging_level=logging.WARNING)
         address = simulation.address if simulation else str(config.ray_address)
-        return asyncio.run(_serve(config, simulation.pid if simulation else 0, address))
+        state_dir = config.state_dir or (
+            str(Path(workdir.name) / "state") if simulation else
+            str(Path.home() / ".local" / "state" / "slicewise"))
+        log.info("journal in %s", state_dir)
+        return asyncio.run(_serve(config, simulation.pid if simulation else 0, address,
+                                  state_dir))
     finally:
         ray.shutdown()
         if simulation is not None:
@@ -75,18 +84,24 @@ def run(config: ServerConfig) -> int:
         log.info("controller stopped")
 
 
-async def _serve(config: ServerConfig, simulation_pid: int, ray_address: str) -> int:
+async def _serve(config: ServerConfig, simulation_pid: int, ray_address: str,
+                 state_dir: str) -> int:
     import grpc
 
     from controller.core import Controller
+    from controller.jobs import JobRunner
+    from controller.journal import Journal
     from controller.servicer import ControllerServicer
     from protos import controller_pb2_grpc as pb_grpc
 
     controller = Controller(simulated=bool(config.sim), worker_window=config.worker_window)
     await controller.start()
+    journal = Journal(Path(state_dir) / "journal.sqlite")
+    jobs = JobRunner(controller, journal)
     server = grpc.aio.server()
     pb_grpc.add_ControllerServicer_to_server(
-        ControllerServicer(controller, simulation_pid=simulation_pid, ray_address=ray_address),
+        ControllerServicer(controller, jobs, simulation_pid=simulation_pid,
+                           ray_address=ray_address),
         server)
     try:
         port = server.add_insecure_port(f"{config.host}:{config.port}")
@@ -112,7 +127,10 @@ async def _serve(config: ServerConfig, simulation_pid: int, ray_address: str) ->
     print(f"slicewise controller listening on {config.host}:{port} ({slices} slices)",
           flush=True)
     await stop.wait()
-    log.info("shutting down: releasing %d gang(s)", len(controller.gangs))
+    log.info("shutting down: stopping %d job(s), releasing %d gang(s)",
+             sum(not j.state.terminal for j in jobs.jobs.values()), len(controller.gangs))
     await server.stop(grace=2)
+    await jobs.shutdown()
     await controller.shutdown()
+    journal.close()
     return 0

@@ -27,6 +27,7 @@ from controller.errors import (
     WorkerError,
 )
 from controller.gang import Gang
+from controller.jobs import JobRunner, JobSpec
 from controller.logs import set_log_context
 from protos import controller_pb2 as pb
 from protos import controller_pb2_grpc as pb_grpc
@@ -103,9 +104,10 @@ def gang_to_pb(gang: Gang) -> pb.GangInfo:
 class ControllerServicer(pb_grpc.ControllerServicer):
     """Implements the Controller service of protos/controller.proto."""
 
-    def __init__(self, controller: Controller, *, simulation_pid: int = 0,
+    def __init__(self, controller: Controller, jobs: JobRunner, *, simulation_pid: int = 0,
                  ray_address: str = "") -> None:
         self.controller = controller
+        self.jobs = jobs
         self.simulation_pid = simulation_pid
         self.ray_address = ray_address
 
@@ -265,3 +267,40 @@ class ControllerServicer(pb_grpc.ControllerServicer):
         data = json.dumps(trace).encode()
         for piece in wire.chunks(memoryview(data)):
             yield pb.TraceChunk(data=bytes(piece))
+
+    # -- jobs ---------------------------------------------------------------------------
+
+    @_unary
+    async def SubmitJob(self, request: pb.SubmitJobRequest, context: Any) -> pb.JobInfo:
+        spec = JobSpec(
+            program=request.program, num_slices=request.num_slices,
+            slice_type=request.slice_type, steps=request.steps,
+            overrides=tuple(sorted(request.overrides.items())),
+            mesh=tuple((a.name, a.dcn, a.ici) for a in request.mesh.axes),
+            client=request.client or (context.peer() or ""))
+        return wire.job_to_pb(self.jobs.submit(spec))
+
+    @_unary
+    async def GetJob(self, request: pb.GetJobRequest, context: Any) -> pb.JobInfo:
+        return wire.job_to_pb(self.jobs.get(request.job_id))
+
+    @_unary
+    async def ListJobs(self, request: pb.ListJobsRequest, context: Any) -> pb.ListJobsResponse:
+        return pb.ListJobsResponse(jobs=[wire.job_to_pb(j) for j in self.jobs.jobs.values()])
+
+    @_unary
+    async def CancelJob(self, request: pb.CancelJobRequest, context: Any) -> pb.JobInfo:
+        return wire.job_to_pb(self.jobs.cancel(request.job_id))
+
+    @_streaming
+    async def WatchJob(self, request: pb.WatchJobRequest, context: Any
+                       ) -> AsyncIterator[pb.JobEvent]:
+        async for event in self.jobs.watch(request.job_id):
+            yield pb.JobEvent(job=wire.job_to_pb(event["job"]), message=event["message"],
+                              steps=[wire.step_to_pb(r) for r in event["steps"]])
+
+    @_unary
+    async def GetJobMetrics(self, request: pb.GetJobRequest, context: Any) -> pb.JobMetrics:
+        job = self.jobs.get(request.job_id)
+        return pb.JobMetrics(job=wire.job_to_pb(job),
+                             steps=[wire.step_to_pb(r) for r in self.jobs.steps(job.job_id)])

@@ -4,9 +4,15 @@ Client and servicer both use these, so the two ends cannot drift apart."""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from controller.arrays import ArrayRecord, ArraySpec, ArrayState
+from controller.journal import StepRecord
 from controller.mesh import MeshAxis, MeshSpec, ShardingSpec
 from protos import controller_pb2 as pb
+
+if TYPE_CHECKING:
+    from controller.jobs import Job
 
 # Chunk size for array and program streams: well under gRPC's 4 MiB default limit.
 CHUNK_BYTES = 2 * 2**20
@@ -54,3 +60,25 @@ def chunks(data: memoryview, size: int = CHUNK_BYTES):
     data = data.cast("B") if data.format != "B" or data.ndim != 1 else data
     for start in range(0, len(data), size):
         yield data[start:start + size]
+
+
+def step_to_pb(record: StepRecord) -> pb.StepMetrics:
+    return pb.StepMetrics(step=record.step, loss=record.loss, grad_norm=record.grad_norm,
+                          learning_rate=record.learning_rate, step_time_s=record.step_time_s,
+                          tokens_per_s=record.tokens_per_s, wall_time=record.wall_time)
+
+
+def job_to_pb(job: Job) -> pb.JobInfo:
+    spec = job.spec
+    info = pb.JobInfo(
+        job_id=job.job_id, program=spec.program,
+        state=pb.JobState.Value(f"JOB_STATE_{job.state.name}"), step=job.step,
+        steps=spec.steps, gang_id=job.gang_id, error=job.error, num_slices=spec.num_slices,
+        slice_type=spec.slice_type, overrides=dict(spec.overrides), client=spec.client,
+        created_at=job.created_at, updated_at=job.updated_at,
+        flops_per_step=job.flops_per_step)
+    if job.mesh is not None:
+        info.mesh.CopyFrom(mesh_to_pb(job.mesh))
+    if job.last is not None:
+        info.last.CopyFrom(step_to_pb(job.last))
+    return info

@@ -59,7 +59,21 @@ class PinOp:
     pin_id: str
 
 
-Op = PutOp | LoadOp | ExecOp | DeleteOp | PinOp
+@dataclass(frozen=True)
+class BatchOp:
+    """Build this host's rows of a training program's global batch for `step`, from
+    installed data code (programs/), and store each batch field as an array. No host, and
+    not the controller, ever holds the whole batch."""
+
+    seq: int
+    program: str
+    overrides: tuple[tuple[str, str], ...]
+    step: int
+    sharding: ShardingSpec
+    handles: tuple[str, ...]  # one per batch field, in sorted field order
+
+
+Op = PutOp | LoadOp | ExecOp | DeleteOp | PinOp | BatchOp
 
 
 @dataclass(frozen=True)

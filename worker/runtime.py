@@ -13,7 +13,7 @@ import numpy as np
 
 from controller.mesh import GangShape, Index, MeshSpec, ShardingSpec, index_key, normalize_index
 from worker.buffers import BufferTable
-from worker.ops import DeleteOp, ExecOp, LoadOp, Op, PinOp, PutOp
+from worker.ops import BatchOp, DeleteOp, ExecOp, LoadOp, Op, PinOp, PutOp
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +51,7 @@ class JaxRuntime:
         self._pins: dict[str, Any] = {}
         self._staged: dict[str, list[tuple[Index, np.ndarray]]] = {}
         self._staged_lock = threading.Lock()
+        self._configs: dict[tuple[str, tuple[tuple[str, str], ...]], Any] = {}
         self._devices: list[Any] = []
 
     # -- formation -----------------------------------------------------------------
@@ -122,6 +123,8 @@ class JaxRuntime:
             self.buffers.delete(op.handles)
         elif isinstance(op, PinOp):
             self._pins[op.pin_id] = self.buffers.get(op.handle)
+        elif isinstance(op, BatchOp):
+            self._batch(op)
         else:
             raise TypeError(f"unknown operation {op!r}")
         return None
@@ -138,6 +141,8 @@ class JaxRuntime:
             return f"load {op.name}", {"program": op.program_id[:12]}
         if isinstance(op, PinOp):
             return "pin", {"handle": op.handle}
+        if isinstance(op, BatchOp):
+            return f"batch {op.program} step {op.step}", {"step": op.step}
         return type(op).__name__.removesuffix("Op").lower(), {}
 
     def on_failure(self, op: Op, error: str) -> None:
@@ -146,6 +151,36 @@ class JaxRuntime:
             self.buffers.fail(op.outputs, f"program {op.program_id[:12]} failed: {error}")
         elif isinstance(op, PutOp):
             self.buffers.fail((op.handle,), f"upload failed: {error}")
+        elif isinstance(op, BatchOp):
+            self.buffers.fail(op.handles, f"building the batch of step {op.step} failed: {error}")
+
+    def _batch(self, op: BatchOp) -> None:
+        import jax
+
+        from programs.base import get_program
+
+        program = get_program(op.program)
+        config = self._configs.get((op.program, op.overrides))
+        if config is None:
+            config = self._configs[(op.program, op.overrides)] = program.make_config(
+                dict(op.overrides))
+        spec = program.batch_spec(config)
+        fields = sorted(spec)
+        sharding = self.named_sharding(op.sharding)
+        rows = spec[fields[0]].shape[0]
+        blocks: dict[tuple[int, int], dict[str, np.ndarray]] = {}
+        per_field: dict[str, list[Any]] = {f: [] for f in fields}
+        for device, index in sharding.addressable_devices_indices_map(
+                spec[fields[0]].shape).items():
+            lo, hi = index[0].indices(rows)[:2]
+            if (lo, hi) not in blocks:  # replicas on this host share one read
+                blocks[(lo, hi)] = program.host_batch(config, op.step, lo // (hi - lo),
+                                                      rows // (hi - lo))
+            for f in fields:
+                per_field[f].append(jax.device_put(blocks[(lo, hi)][f], device))
+        for f, handle in zip(fields, op.handles, strict=True):
+            self.buffers.put(handle, jax.make_array_from_single_device_arrays(
+                spec[f].shape, sharding, per_field[f]))
 
     def stage(self, key: str, pieces: list[tuple[Index, np.ndarray]]) -> None:
         """Keeps pieces that arrived over the data port until their PutOp comes."""

@@ -1,0 +1,103 @@
+"""What `slicewise train` and `slicewise watch` show: a live progress bar on a terminal,
+one line per step otherwise (logs, pipes, tests), and the jobs table."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterable
+from typing import TextIO
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+from rich.table import Table
+
+from protos import controller_pb2 as pb
+
+TERMINAL = {pb.JOB_STATE_SUCCEEDED, pb.JOB_STATE_FAILED, pb.JOB_STATE_CANCELLED}
+
+
+def state_name(state: int) -> str:
+    return pb.JobState.Name(state).removeprefix("JOB_STATE_").lower()
+
+
+def step_line(job_id: str, steps: int, s: pb.StepMetrics) -> str:
+    return (f"{job_id} step {s.step + 1}/{steps} loss {s.loss:.4f} "
+            f"{s.tokens_per_s:,.0f} tok/s {1e3 * s.step_time_s:.0f} ms/step")
+
+
+def follow(events: Iterable[pb.JobEvent], *, plain: bool | None = None,
+           out: TextIO = sys.stdout) -> pb.JobInfo:
+    """Shows a job's event stream until it ends; returns the final job info."""
+    plain = (not out.isatty()) if plain is None else plain
+    return _follow_plain(events, out) if plain else _follow_live(events)
+
+
+def _follow_plain(events: Iterable[pb.JobEvent], out: TextIO) -> pb.JobInfo:
+    job = None
+    last_state = None
+    for event in events:
+        job = event.job
+        if event.message and (event.message != "attached" or job.state != last_state):
+            print(f"{job.job_id} {state_name(job.state)}: {event.message}", file=out, flush=True)
+        last_state = job.state
+        for s in event.steps:
+            print(step_line(job.job_id, job.steps, s), file=out, flush=True)
+    if job is None:
+        raise RuntimeError("the controller ended the stream before sending anything")
+    return job
+
+
+def _follow_live(events: Iterable[pb.JobEvent]) -> pb.JobInfo:
+    console = Console()
+    job = None
+    with Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
+                  TextColumn("{task.fields[stats]}"), TimeRemainingColumn(),
+                  console=console, transient=False) as progress:
+        task = None
+        for event in events:
+            job = event.job
+            if task is None:
+                task = progress.add_task(job.job_id, total=job.steps, stats="")
+            if event.message and event.message != "attached":
+                console.print(f"{job.job_id} {state_name(job.state)}: {event.message}")
+            stats = ""
+            if job.HasField("last"):
+                s = job.last
+                stats = (f"loss {s.loss:.4f}  {s.tokens_per_s:,.0f} tok/s  "
+                         f"{1e3 * s.step_time_s:.0f} ms/step")
+            progress.update(task, completed=job.step,
+                            description=f"{job.job_id} {state_name(job.state)}", stats=stats)
+    if job is None:
+        raise RuntimeError("the controller ended the stream before sending anything")
+    return job
+
+
+def summary(job: pb.JobInfo, steps: list[pb.StepMetrics]) -> str:
+    text = f"{job.job_id} {state_name(job.state)} after {job.step}/{job.steps} steps"
+    if steps:
+        tail = steps[-10:]
+        text += (f"; loss {steps[0].loss:.4f} -> {steps[-1].loss:.4f}, "
+                 f"{sum(s.tokens_per_s for s in tail) / len(tail):,.0f} tok/s over the last "
+                 f"{len(tail)} steps")
+    if job.flops_per_step:
+        text += f"; {job.flops_per_step / 1e9:.2f} GFLOP/step"
+    if job.error:
+        text += f"; error: {job.error}"
+    return text
+
+
+def print_jobs(jobs: list[pb.JobInfo], console: Console | None = None) -> None:
+    console = console or Console(width=None if sys.stdout.isatty() else 140)
+    table = Table(title="Jobs")
+    for col in ("job", "program", "state", "step", "loss", "step time", "tok/s", "gang",
+                "slices"):
+        table.add_column(col)
+    for j in jobs:
+        last = j.last if j.HasField("last") else None
+        table.add_row(
+            j.job_id, j.program, state_name(j.state), f"{j.step}/{j.steps}",
+            f"{last.loss:.4f}" if last else "-",
+            f"{1e3 * last.step_time_s:.0f} ms" if last else "-",
+            f"{last.tokens_per_s:,.0f}" if last else "-",
+            j.gang_id or "-", f"{j.num_slices} x {j.slice_type}")
+    console.print(table)

@@ -1,0 +1,116 @@
+"""The controller's journal: jobs and their per-step metrics in SQLite, so that what a
+job did is still there after it ended (and, later, after the controller restarts)."""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import threading
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS jobs (
+    job_id TEXT PRIMARY KEY,
+    seq INTEGER NOT NULL,
+    spec TEXT NOT NULL,          -- JSON: program, overrides, slices, mesh, steps, client
+    state TEXT NOT NULL,
+    step INTEGER NOT NULL DEFAULT 0,
+    gang_id TEXT NOT NULL DEFAULT '',
+    error TEXT NOT NULL DEFAULT '',
+    epoch INTEGER NOT NULL DEFAULT 0,
+    flops_per_step REAL NOT NULL DEFAULT 0,
+    created_at REAL NOT NULL,
+    updated_at REAL NOT NULL
+);
+CREATE TABLE IF NOT EXISTS step_metrics (
+    job_id TEXT NOT NULL,
+    step INTEGER NOT NULL,
+    loss REAL, grad_norm REAL, learning_rate REAL,
+    step_time_s REAL, tokens_per_s REAL, wall_time REAL,
+    PRIMARY KEY (job_id, step)
+);
+"""
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    """What one training step measured."""
+
+    step: int
+    loss: float
+    grad_norm: float
+    learning_rate: float
+    step_time_s: float
+    tokens_per_s: float
+    wall_time: float
+
+
+class Journal:
+    """A small SQLite store; every write is committed at once (WAL, so reads never block)."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = str(path)
+        if self.path != ":memory:":
+            Path(self.path).parent.mkdir(parents=True, exist_ok=True)
+        self._db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None)
+        self._lock = threading.Lock()
+        with self._lock:
+            self._db.execute("PRAGMA journal_mode=WAL")
+            self._db.execute("PRAGMA synchronous=NORMAL")
+            self._db.executescript(_SCHEMA)
+
+    def close(self) -> None:
+        with self._lock:
+            self._db.close()
+
+    def next_job_number(self) -> int:
+        with self._lock:
+            row = self._db.execute("SELECT COALESCE(MAX(seq), 0) FROM jobs").fetchone()
+        return int(row[0]) + 1
+
+    def add_job(self, job_id: str, seq: int, spec: dict[str, Any], state: str, now: float
+                ) -> None:
+        with self._lock:
+            self._db.execute(
+                "INSERT INTO jobs (job_id, seq, spec, state, created_at, updated_at) "
+                "VALUES (?, ?, ?, ?, ?, ?)", (job_id, seq, json.dumps(spec), state, now, now))
+
+    def update_job(self, job_id: str, now: float, **fields: Any) -> None:
+        allowed = {"state", "step", "gang_id", "error", "epoch", "flops_per_step"}
+        unknown = set(fields) - allowed
+        if unknown:
+            raise ValueError(f"unknown job fields {sorted(unknown)}")
+        names = ", ".join(f"{k} = ?" for k in fields)
+        with self._lock:
+            self._db.execute(f"UPDATE jobs SET {names}, updated_at = ? WHERE job_id = ?",
+                             (*fields.values(), now, job_id))
+
+    def add_steps(self, job_id: str, records: Iterable[StepRecord]) -> None:
+        rows = [(job_id, r.step, r.loss, r.grad_norm, r.learning_rate, r.step_time_s,
+                 r.tokens_per_s, r.wall_time) for r in records]
+        with self._lock:
+            self._db.executemany(
+                "INSERT OR REPLACE INTO step_metrics VALUES (?, ?, ?, ?, ?, ?, ?, ?)", rows)
+
+    def steps(self, job_id: str, since: int = 0) -> list[StepRecord]:
+        with self._lock:
+            rows = self._db.execute(
+                "SELECT step, loss, grad_norm, learning_rate, step_time_s, tokens_per_s, "
+                "wall_time FROM step_metrics WHERE job_id = ? AND step >= ? ORDER BY step",
+                (job_id, since)).fetchall()
+        return [StepRecord(*row) for row in rows]
+
+    def jobs(self) -> list[dict[str, Any]]:
+        with self._lock:
+            cursor = self._db.execute("SELECT * FROM jobs ORDER BY seq")
+            names = [d[0] for d in cursor.description]
+            rows = cursor.fetchall()
+        out = []
+        for row in rows:
+            record = dict(zip(names, row, strict=True))
+            record["spec"] = json.loads(record["spec"])
+            out.append(record)
+        return out
