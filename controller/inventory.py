@@ -7,11 +7,11 @@ when every host of its type is alive; only intact slices can be allocated.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from controller.errors import InvalidRequestError
+from controller.errors import CapacityError, InvalidRequestError
 from controller.simcluster import (
     POD_TYPE_LABEL,
     SIMULATED_LABEL,
@@ -88,22 +88,39 @@ def slices_from_nodes(nodes: Iterable[Mapping[str, Any]]) -> dict[str, Slice]:
     return slices
 
 
-def check_can_ever_fit(slices: Mapping[str, Slice], num_slices: int, stype: SliceType) -> None:
-    """Raises CapacityError when no amount of waiting could admit the request."""
-    from controller.errors import CapacityError
+def check_can_ever_fit(slices: Mapping[str, Slice], num_slices: int,
+                       stype: SliceType | Sequence[SliceType], *, same_type: bool = True) -> None:
+    """Raises CapacityError when no amount of waiting could admit the request.
 
+    Broken and held slices count, since hosts come back and gangs end. With `same_type`
+    all `num_slices` must be of one of the acceptable types; without it they may mix.
+    """
     if num_slices < 1:
         raise InvalidRequestError(f"a gang needs at least 1 slice, asked for {num_slices}")
-    same = [s for s in slices.values() if s.type == stype]
-    if num_slices > len(same):
-        have = ", ".join(
-            f"{n} x {t}" for t, n in sorted(_count_types(slices).items())
-        ) or "no TPU slices"
+    types = (stype,) if isinstance(stype, SliceType) else tuple(stype)
+    if not types:
+        raise InvalidRequestError("a gang needs at least one acceptable slice type")
+    counts = _count_types(slices)
+    of_type = [counts.get(t.name, 0) for t in types]
+    most = max(of_type) if same_type else sum(of_type)
+    if num_slices <= most:
+        return
+    have = ", ".join(f"{n} x {t}" for t, n in sorted(counts.items())) or "no TPU slices"
+    if len(types) == 1:
+        name = types[0].name
         raise CapacityError(
-            f"asked for {num_slices} x {stype.name} but the whole cluster has "
-            f"{len(same)} {stype.name} slice(s) ({have}); ask for at most {len(same)}, "
+            f"asked for {num_slices} x {name} but the whole cluster has "
+            f"{most} {name} slice(s) ({have}); ask for at most {most}, "
             "or for a slice type the cluster has"
         )
+    names = ", ".join(t.name for t in types)
+    asked = (f"{num_slices} slices of one type among {names}" if same_type
+             else f"{num_slices} slices of {names} (types may mix)")
+    raise CapacityError(
+        f"asked for {asked} but the whole cluster has "
+        + ", ".join(f"{n} {t.name}" for t, n in zip(types, of_type, strict=True))
+        + f" slice(s) ({have}); ask for at most {most}, or for slice types the cluster has"
+    )
 
 
 def _count_types(slices: Mapping[str, Slice]) -> dict[str, int]:

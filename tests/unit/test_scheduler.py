@@ -1,4 +1,5 @@
-"""Slice inventory from Ray's node table, and all-or-nothing FIFO gang admission."""
+"""Slice inventory from Ray's node table, and gang admission: priorities, backfill, preemption,
+expiry. Property tests over random streams are in test_scheduler_properties.py."""
 
 import pytest
 from hypothesis import given, settings
@@ -6,11 +7,20 @@ from hypothesis import strategies as st
 
 from controller.errors import CapacityError, InvalidRequestError, NotFoundError
 from controller.inventory import Host, Slice, check_can_ever_fit, slices_from_nodes
-from controller.scheduler import Admission, GangRequest, Scheduler
-from controller.topology import SLICE_TYPES
+from controller.preemption import Candidate, cheapest_victims
+from controller.scheduler import (
+    Admission,
+    Expire,
+    ForceRelease,
+    GangRequest,
+    Preempt,
+    Scheduler,
+)
+from controller.topology import SLICE_TYPES, slice_type
 
 V8 = SLICE_TYPES["v5litepod-8"]
 V16 = SLICE_TYPES["v5litepod-16"]
+V4 = SLICE_TYPES["v5litepod-4"]
 
 
 def node(slice_name, pod_type, worker_id, *, alive=True, node_id=None, chips=None):
@@ -184,7 +194,7 @@ def test_broken_slices_are_never_handed_out():
     assert scheduler.schedule() == [Admission("r2", ("b",))]
 
 
-def test_why_waiting_names_the_free_count_the_requests_ahead_and_the_holders():
+def test_why_waiting_names_the_free_count_the_claims_ahead_and_the_holders():
     scheduler = scheduler_with(*(whole_slice(n, V8) for n in "abc"))
     scheduler.submit(GangRequest("first", 2, V8))
     scheduler.schedule()
@@ -194,8 +204,8 @@ def test_why_waiting_names_the_free_count_the_requests_ahead_and_the_holders():
     assert scheduler.why_waiting("large") == (
         "needs 2 free v5litepod-8 slice(s), 1 free now; held by first")
     assert scheduler.why_waiting("small") == (
-        "needs 1 free v5litepod-8 slice(s), 1 free now; "
-        "1 earlier request(s) for v5litepod-8 go first; held by first")
+        "needs 1 free v5litepod-8 slice(s), 1 free now, "
+        "1 claimed by earlier request(s) large; held by first")
     assert scheduler.why_waiting("first") == "not queued"
 
 
@@ -249,3 +259,284 @@ def test_admissions_never_share_a_slice_never_use_a_broken_one_and_keep_fifo(act
             still_queued = {r.request_id for r in scheduler.queued()}
             earlier = order[:order.index(rid)]
             assert not [r for r in earlier if r in still_queued and kind[r] == kind[rid]]
+
+
+# -- priorities, backfill, preemption, expiry ------------------------------------------
+
+
+class Clock:
+    """A clock the test moves by hand."""
+
+    def __init__(self, now=1000.0):
+        self.now = now
+
+    def __call__(self):
+        return self.now
+
+
+def cluster(*slices, clock=None, **options):
+    scheduler = Scheduler(clock=clock or Clock(), **options)
+    scheduler.set_inventory({s.name: s for s in slices})
+    return scheduler
+
+
+def admit(scheduler, request):
+    """Submits a request that must be admitted at once; returns its slices."""
+    scheduler.submit(request)
+    [decision] = scheduler.schedule()
+    assert decision == Admission(request.request_id, decision.slices)
+    assert scheduler.held_by(request.request_id) == tuple(sorted(decision.slices))
+    return decision.slices
+
+
+def test_gang_request_keeps_its_old_constructor_and_puts_the_primary_type_first():
+    request = GangRequest("r", 2, V8, "alice")
+    assert (request.client, request.priority, request.slice_types) == ("alice", 0, (V8,))
+    assert request.same_type and request.max_wait_s is None
+    assert GangRequest("r", 1, V16, slice_types=(V8, V16)).slice_types == (V16, V8)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"num_slices": 0}, "at least 1 slice"),
+    ({"priority": 1.5}, "priority must be an integer"),
+    ({"max_wait_s": 0}, "max wait must be positive"),
+])
+def test_gang_request_refuses_bad_fields(kwargs, match):
+    with pytest.raises(InvalidRequestError, match=match):
+        GangRequest(**{"request_id": "r", "num_slices": 1, "slice_type": V8, **kwargs})
+
+
+def test_a_request_id_cannot_be_queued_twice():
+    scheduler = cluster(whole_slice("a", V8))
+    scheduler.submit(GangRequest("r", 1, V8))
+    with pytest.raises(InvalidRequestError, match="already queued or admitted"):
+        scheduler.submit(GangRequest("r", 1, V8))
+
+
+def test_a_topology_request_gets_the_slice_type_of_that_shape():
+    scheduler = cluster(whole_slice("small", V8), whole_slice("big", V16))
+    assert admit(scheduler, GangRequest("r", 1, slice_type("4x4"))) == ("big",)
+
+
+def test_higher_priority_goes_first_and_fifo_holds_within_a_priority():
+    scheduler = cluster(whole_slice("a", V8))
+    scheduler.submit(GangRequest("holder", 1, V8))
+    scheduler.schedule()
+    for rid, priority in [("low1", 0), ("high1", 5), ("low2", 0), ("high2", 5)]:
+        scheduler.submit(GangRequest(rid, 1, V8, priority=priority))
+    assert [r.request_id for r in scheduler.queued()] == ["high1", "high2", "low1", "low2"]
+    assert scheduler.position("low1") == 2
+    for expected in ["high1", "high2", "low1", "low2"]:
+        scheduler.release(scheduler.holder("a"))
+        assert scheduler.schedule() == [Admission(expected, ("a",))]
+
+
+def test_backfill_takes_only_slices_the_head_cannot_use():
+    scheduler = cluster(whole_slice("x", V16), whole_slice("y", V16), whole_slice("a", V8))
+    scheduler.submit(GangRequest("holder", 1, V16))
+    scheduler.schedule()
+    scheduler.submit(GangRequest("head", 2, V16))
+    scheduler.submit(GangRequest("later16", 1, V16))
+    scheduler.submit(GangRequest("later8", 1, V8))
+    # "y" is free but the head claims it; "a" is of no use to the head, so it is backfilled.
+    assert scheduler.schedule() == [Admission("later8", ("a",))]
+    assert scheduler.why_waiting("later16") == (
+        "needs 1 free v5litepod-16 slice(s), 1 free now, 1 claimed by earlier request(s) head; "
+        "held by holder")
+    scheduler.release("holder")
+    assert scheduler.schedule() == [Admission("head", ("x", "y"))]
+
+
+def test_a_head_that_accepts_two_types_claims_the_free_slices_of_both():
+    scheduler = cluster(whole_slice("a", V8), whole_slice("x", V16), whole_slice("y", V16))
+    scheduler.submit(GangRequest("holder", 1, V16))
+    scheduler.schedule()
+    scheduler.submit(GangRequest("head", 2, V16, slice_types=(V8,)))
+    scheduler.submit(GangRequest("later", 1, V8))
+    assert scheduler.schedule() == []
+    scheduler.release("holder")
+    assert scheduler.schedule() == [Admission("head", ("x", "y")), Admission("later", ("a",))]
+
+
+def test_same_type_picks_one_type_in_preference_order_while_mixed_may_combine():
+    scheduler = cluster(whole_slice("a", V8), whole_slice("b", V8), whole_slice("x", V16))
+    with pytest.raises(CapacityError, match="has 1 v5litepod-16, 2 v5litepod-8 slice"):
+        scheduler.submit(GangRequest("never", 3, V16, slice_types=(V8,)))
+    assert admit(scheduler, GangRequest("one", 1, V16, slice_types=(V8,))) == ("x",)
+    scheduler.release("one")
+    assert admit(scheduler, GangRequest("two", 2, V16, slice_types=(V8,))) == ("a", "b")
+    scheduler.release("two")
+    mixed = GangRequest("mixed", 3, V16, slice_types=(V8,), same_type=False)
+    assert admit(scheduler, mixed) == ("x", "a", "b")  # preferred type first
+
+
+def test_a_mixed_request_that_can_never_fit_names_the_counts():
+    scheduler = cluster(whole_slice("a", V8), whole_slice("x", V16))
+    with pytest.raises(CapacityError) as info:
+        scheduler.submit(GangRequest("r", 3, V8, slice_types=(V16,), same_type=False))
+    assert "3 slices of v5litepod-8, v5litepod-16 (types may mix)" in str(info.value)
+    assert "ask for at most 2" in str(info.value)
+
+
+def test_held_slices_that_vanish_stay_held_and_count_towards_capacity():
+    a, b = whole_slice("a", V8), whole_slice("b", V8)
+    scheduler = cluster(a, b)
+    admit(scheduler, GangRequest("r1", 2, V8))
+    scheduler.set_inventory({"b": b})
+    assert scheduler.held_by("r1") == ("a", "b")
+    scheduler.submit(GangRequest("r2", 2, V8))  # "a" still exists as far as capacity goes
+    scheduler.set_inventory({"a": a, "b": b})
+    assert scheduler.schedule() == []  # "a" came back, but r1 still holds it
+    assert scheduler.release("r1") == ("a", "b")
+    assert scheduler.schedule() == [Admission("r2", ("a", "b"))]
+
+
+def preemption_cluster(**options):
+    clock = Clock()
+    scheduler = cluster(*(whole_slice(n, V8) for n in "abcd"), clock=clock, **options)
+    return scheduler, clock
+
+
+def test_preemption_evicts_a_whole_lower_priority_gang_and_hands_its_slices_over():
+    scheduler, clock = preemption_cluster()
+    admit(scheduler, GangRequest("low", 2, V8, priority=0))
+    admit(scheduler, GangRequest("mid", 1, V8, priority=3))
+    admit(scheduler, GangRequest("other", 1, V8, priority=1))
+    scheduler.submit(GangRequest("high", 2, V8, priority=3))  # equal to mid: never evicts it
+    assert scheduler.schedule() == [Preempt("low", "high", clock.now + 30)]
+    assert scheduler.held_by("low") == ("a", "b")  # kept through the grace period
+    clock.now += 1
+    assert scheduler.schedule() == []  # waiting for "low" suffices: "other" is left alone
+    assert "waiting for low to release" in scheduler.why_waiting("high")
+    clock.now += 10
+    assert scheduler.release("low") == ("a", "b")
+    assert scheduler.schedule() == [Admission("high", ("a", "b"))]
+    assert [r.request_id for r in scheduler.queued()] == ["low"]
+
+
+def test_a_preemptor_claims_only_the_free_slices_it_still_needs():
+    scheduler, _ = preemption_cluster()
+    admit(scheduler, GangRequest("low", 2, V8))  # a, b; c and d stay free
+    scheduler.submit(GangRequest("high", 3, V8, priority=1))
+    scheduler.submit(GangRequest("small1", 1, V8))
+    scheduler.submit(GangRequest("small2", 1, V8))
+    # "high" gets a and b from "low" and needs one free slice more: one is left to backfill.
+    assert scheduler.schedule() == [Preempt("low", "high", 1030.0), Admission("small1", ("c",))]
+    scheduler.release("low")
+    assert scheduler.schedule() == [Admission("high", ("a", "b", "d"))]
+
+
+def test_a_victim_that_does_not_release_in_time_is_forced():
+    scheduler, clock = preemption_cluster(grace_s=20)
+    admit(scheduler, GangRequest("low", 4, V8))
+    scheduler.submit(GangRequest("high", 1, V8, priority=1))
+    assert scheduler.schedule() == [Preempt("low", "high", clock.now + 20)]
+    clock.now += 19.9
+    assert scheduler.schedule() == []
+    clock.now += 0.1
+    assert scheduler.schedule() == [ForceRelease("low", "high", ("a", "b", "c", "d")),
+                                    Admission("high", ("a",))]
+    assert scheduler.held_by("low") == ()
+    assert scheduler.free_slices(V8) == ["b", "c", "d"]  # more than it needed: back to the pool
+    assert scheduler.release("low") == ()  # the controller's late release changes nothing
+
+
+def test_an_evicted_gang_is_requeued_in_its_place_with_doubling_backoff():
+    scheduler, clock = preemption_cluster(backoff_s=5, max_backoff_s=8)
+    admit(scheduler, GangRequest("victim", 4, V8))
+    scheduler.submit(GangRequest("later", 1, V8))
+    for round_, backoff in [(1, 5), (2, 8)]:  # 5 s, then 10 s capped at 8 s
+        scheduler.submit(GangRequest(f"boss{round_}", 4, V8, priority=1))
+        assert [type(d) for d in scheduler.schedule()] == [Preempt]
+        scheduler.release("victim")
+        assert scheduler.schedule() == [Admission(f"boss{round_}", ("a", "b", "c", "d"))]
+        assert [r.request_id for r in scheduler.queued()] == ["victim", "later"]
+        assert scheduler.why_waiting("victim") == (
+            f"preempted {round_} time(s); backs off for another {backoff} s")
+        scheduler.release(f"boss{round_}")
+        clock.now += backoff - 0.5
+        # Backing off, it claims nothing: the later request may use the slices meanwhile.
+        assert scheduler.schedule() == [Admission("later", ("a",))]
+        scheduler.release("later")
+        clock.now += 0.5
+        assert scheduler.schedule() == [Admission("victim", ("a", "b", "c", "d"))]
+        scheduler.submit(GangRequest("later", 1, V8))
+
+
+def test_preemption_chooses_the_cheapest_victims():
+    clock = Clock()
+    scheduler = cluster(*(whole_slice(n, V8) for n in "abcdef"), whole_slice("x", V16),
+                        clock=clock)
+    admit(scheduler, GangRequest("two-old", 2, V8, priority=0))  # a, b
+    admit(scheduler, GangRequest("one-p1", 1, V8, priority=1))  # c
+    admit(scheduler, GangRequest("one-old", 1, V8, priority=0))  # d
+    admit(scheduler, GangRequest("one-new", 1, V8, priority=0))  # e
+    admit(scheduler, GangRequest("mixed", 2, V8, slice_types=(V16,), same_type=False))  # f, x
+    # One slice: fewest chips rules out "mixed" (24 chips), lowest priority rules out
+    # "one-p1", and the most recently admitted of the rest is "one-new".
+    scheduler.submit(GangRequest("need1", 1, V8, priority=5))
+    assert scheduler.schedule() == [Preempt("one-new", "need1", clock.now + 30)]
+    # Two slices: {two-old} and {one-old, one-p1} both take 16 chips, and the first has the
+    # lower highest priority.
+    scheduler.submit(GangRequest("need2", 2, V8, priority=5))
+    assert [d.victim_id for d in scheduler.schedule()] == ["two-old"]
+
+
+def test_cheapest_victims_prefers_the_set_whose_oldest_victim_is_newest():
+    old, new1, new2 = (Candidate("old", 2, 16, 0, 1), Candidate("new1", 1, 8, 0, 2),
+                       Candidate("new2", 1, 8, 0, 3))
+    assert cheapest_victims([old, new1, new2], 2) == (new1, new2)
+    assert cheapest_victims([old, new1, new2], 4) == (old, new1, new2)
+    assert cheapest_victims([old, new1, new2], 5) is None
+    assert cheapest_victims([], 0) == ()
+
+
+def test_no_preemption_when_lower_priority_gangs_could_not_make_it_fit():
+    scheduler, _ = preemption_cluster()
+    admit(scheduler, GangRequest("low", 1, V8, priority=0))
+    admit(scheduler, GangRequest("peer", 3, V8, priority=2))
+    scheduler.submit(GangRequest("head", 2, V8, priority=2))
+    scheduler.submit(GangRequest("small", 1, V8, priority=2))
+    # "head" cannot fit by evicting "low" alone, so it claims "low" and "small" may not
+    # evict it either: that would only put an equal-priority gang in the head's way.
+    assert scheduler.schedule() == []
+    scheduler.release("peer")
+    assert scheduler.schedule() == [Admission("head", ("b", "c")), Admission("small", ("d",))]
+
+
+def test_a_cancelled_preemptor_still_evicts_and_the_slices_return_to_the_pool():
+    scheduler, _ = preemption_cluster()
+    admit(scheduler, GangRequest("low", 4, V8))
+    scheduler.submit(GangRequest("high", 4, V8, priority=1))
+    assert [type(d) for d in scheduler.schedule()] == [Preempt]
+    scheduler.cancel("high")
+    scheduler.submit(GangRequest("other", 2, V8))
+    scheduler.release("low")
+    assert scheduler.schedule() == [Admission("other", ("a", "b"))]
+
+
+def test_a_request_that_waits_past_its_max_wait_expires_with_a_reason():
+    clock = Clock()
+    scheduler = cluster(whole_slice("a", V8), clock=clock)
+    admit(scheduler, GangRequest("holder", 1, V8))
+    scheduler.submit(GangRequest("patient", 1, V8))
+    scheduler.submit(GangRequest("hasty", 1, V8, max_wait_s=60))
+    clock.now += 59
+    assert scheduler.schedule() == []
+    clock.now += 1
+    [expired] = scheduler.schedule()
+    assert expired == Expire("hasty", expired.reason)
+    assert expired.reason.startswith(
+        "waited 60 s in the queue, longer than its max wait of 60 s, at position 1")
+    assert [r.request_id for r in scheduler.queued()] == ["patient"]
+
+
+def test_queue_snapshot_gives_each_queued_request_its_position_and_reason():
+    scheduler = cluster(whole_slice("a", V8), whole_slice("x", V16))
+    admit(scheduler, GangRequest("holder", 1, V8))
+    scheduler.submit(GangRequest("first", 1, V8))
+    scheduler.submit(GangRequest("second", 1, V16, slice_types=(V8,)))
+    snapshot = scheduler.queue_snapshot()
+    assert [(q.request.request_id, q.position) for q in snapshot] == [("first", 0), ("second", 1)]
+    assert snapshot[0].reason == "needs 1 free v5litepod-8 slice(s), 0 free now; held by holder"
+    assert snapshot[1].reason == "can be admitted now"
