@@ -23,8 +23,7 @@ def multi_controller_rate(gang: Any, program_id: str, handles: list[str], n: int
     """Computations per second when every worker of `gang` loops on its own."""
     import ray
 
-    actors = [ray.get_actor(f"slicewise-{gang.id}-p{p}", namespace="slicewise")
-              for p in range(gang.num_slices * gang.hosts_per_slice)]
+    actors = [ray.get_actor(w.actor_name, namespace="slicewise") for w in gang.stats().workers]
     seconds = ray.get([a.bench_loop.remote(program_id, handles, n, window) for a in actors],
                       timeout=600)
     return n / max(seconds)

@@ -83,6 +83,9 @@ class ArrayRecord:
     error: str = ""
     settled: asyncio.Event = field(default_factory=asyncio.Event, repr=False)
     settled_at: float = 0.0  # time.monotonic() when the controller learned it was done
+    # Its producing operation has its place in the gang's order, so later operations
+    # that read it may be numbered.
+    numbered: bool = False
 
     def settle(self, error: str | None) -> None:
         if self.state is ArrayState.PENDING:

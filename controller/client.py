@@ -132,10 +132,21 @@ class Client:
         except grpc.RpcError as err:
             _raise_from(err)
 
-    def allocate(self, slices: int, slice_type: str, *, timeout: float = 600.0) -> Gang:
-        """Blocks until a gang of `slices` whole slices is admitted and its workers are up."""
-        request = pb.AllocateGangRequest(num_slices=slices, slice_type=slice_type,
-                                         timeout_s=timeout, client=self.name)
+    def allocate(self, slices: int, slice_type: str, *, timeout: float = 600.0,
+                 priority: int = 0, max_wait: float | None = None,
+                 alternatives: Sequence[str] = (), mixed_types: bool = False,
+                 shared: str = "", weight: float = 1.0) -> Gang:
+        """Blocks until a gang of `slices` whole slices is admitted and its workers are up.
+
+        `priority`: higher goes first and may preempt lower-priority gangs. `max_wait`:
+        give up (DeadlineError, with the reason) after queueing this long. `alternatives`:
+        other acceptable slice types, in order. `shared`: attach to (or create) the gang
+        of that name, sharing it with other clients in proportion to `weight`.
+        """
+        request = pb.AllocateGangRequest(
+            num_slices=slices, slice_type=slice_type, timeout_s=timeout, client=self.name,
+            priority=priority, max_wait_s=max_wait or 0.0, alternatives=list(alternatives),
+            mixed_types=mixed_types, shared=shared, weight=weight)
         # The controller applies `timeout` to admission; starting the workers comes on top.
         info = _call(self.stub.AllocateGang, request, timeout=timeout + 300)
         return Gang(self, info)
@@ -332,11 +343,21 @@ class Gang:
 
     # -- lifetime -------------------------------------------------------------------
 
-    def release(self) -> None:
+    def release(self, *, requeue: bool = False) -> None:
+        """Frees the slices (or, for a shared gang, detaches this client). With `requeue`,
+        for a gang being preempted: give the slices up now but stay queued to resume."""
         if not self.released:
-            _call(self.client.stub.ReleaseGang, pb.ReleaseGangRequest(gang_id=self.id),
-                  timeout=120)
-            self.released = True
+            _call(self.client.stub.ReleaseGang,
+                  pb.ReleaseGangRequest(gang_id=self.id, requeue=requeue), timeout=120)
+            self.released = not requeue
+
+    def events(self) -> Iterator[pb.GangEvent]:
+        """What happens to the gang: "preempt" (with `grace_s` to save state and release),
+        "preempted", "resumed", "failed", "released". Blocks between events."""
+        try:
+            yield from self.client.stub.WatchGang(pb.WatchGangRequest(gang_id=self.id))
+        except grpc.RpcError as err:
+            _raise_from(err)
 
     def __enter__(self) -> Gang:
         return self

@@ -9,7 +9,6 @@ a thread so that one client's upload never stalls another client's dispatch.
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
 import time
 import uuid
@@ -21,7 +20,9 @@ from typing import Any
 import numpy as np
 
 from controller import metrics
+from controller.admission import GangManager
 from controller.arrays import ArrayRecord, ArraySpec, ArrayTable, dtype_of
+from controller.dispatch import Ticket
 from controller.errors import (
     DeadlineError,
     FailedPreconditionError,
@@ -31,11 +32,9 @@ from controller.errors import (
     WorkerError,
 )
 from controller.gang import Gang, GangState
-from controller.inventory import Slice, slices_from_nodes
-from controller.mesh import GangShape, MeshSpec, ShardingSpec
+from controller.mesh import MeshSpec, ShardingSpec
 from controller.programs import Program, ProgramRegistry, load_program, program_id_of
-from controller.scheduler import GangRequest, Scheduler
-from controller.topology import slice_type
+from controller.scheduler import Scheduler
 from controller.trace import Span, SpanRecorder, chrome_trace
 from controller.trace import now_us as trace_now_us
 from worker import transport
@@ -44,10 +43,7 @@ from worker.ops import BatchOp, DeleteOp, ExecOp, LoadOp, PinOp, PutOp
 log = logging.getLogger(__name__)
 
 VERSION = "0.1.0"
-DEFAULT_ALLOCATE_TIMEOUT_S = 600.0
 DEFAULT_FETCH_TIMEOUT_S = 600.0
-GANG_START_TIMEOUT_S = 240.0
-_INVENTORY_PERIOD_S = 1.0
 
 
 @dataclass
@@ -55,50 +51,51 @@ class PutTarget:
     """A validated upload, waiting for its bytes."""
 
     gang: Gang
+    client: str  # the attachment that uploads (shared gangs)
     spec: ArraySpec
     sharding: ShardingSpec
     buffer: np.ndarray  # uint8, spec.nbytes long
 
 
 class Controller:
-    """One controller: owns the cluster's slices, its gangs and every remote array."""
+    """One controller: its gangs (admission.py), programs, and every remote array."""
 
     def __init__(self, *, nodes: Callable[[], list[dict[str, Any]]] | None = None,
-                 simulated: bool = False, worker_window: int = 3) -> None:
+                 simulated: bool = False, worker_window: int = 3, grace_s: float = 30.0
+                 ) -> None:
         self.simulated = simulated
         self.started_at = time.time()
-        self.scheduler = Scheduler()
         self.programs = ProgramRegistry()
         self.arrays = ArrayTable()
-        self.gangs: dict[str, Gang] = {}
-        self._nodes = nodes or _ray_nodes
-        self._worker_window = worker_window
-        self._gang_ids = itertools.count(1)
-        self._released: OrderedDict[str, str] = OrderedDict()
-        self._admitted: dict[str, asyncio.Future[tuple[str, ...]]] = {}
-        self._refresher: asyncio.Task[None] | None = None
         self.spans = SpanRecorder()
+        self.manager = GangManager(nodes or _ray_nodes, worker_window=worker_window,
+                                   spans=self.spans, grace_s=grace_s,
+                                   on_released=self._gang_stopped)
         # Worker timelines of released gangs, so a trace can still be taken afterwards.
         self._archived_spans: OrderedDict[str, list[tuple[str, list[Span]]]] = OrderedDict()
+        self._gauges: asyncio.Task[None] | None = None
+
+    @property
+    def scheduler(self) -> Scheduler:
+        return self.manager.scheduler
+
+    @property
+    def gangs(self) -> dict[str, Gang]:
+        return self.manager.gangs
 
     # -- lifecycle ------------------------------------------------------------------
 
     async def start(self) -> None:
-        await self.refresh_inventory()
-        self._refresher = asyncio.create_task(self._refresh_forever(), name="inventory")
+        await self.manager.start()
+        self._gauges = asyncio.create_task(self._update_gauges_forever(), name="gauges")
 
     async def shutdown(self) -> None:
-        if self._refresher is not None:
-            self._refresher.cancel()
-        for gang_id in list(self.gangs):
-            await self.release(gang_id, why="was stopped with the controller")
+        if self._gauges is not None:
+            self._gauges.cancel()
+        await self.manager.shutdown("was stopped with the controller")
 
-    async def refresh_inventory(self) -> dict[str, Slice]:
-        slices = slices_from_nodes(await asyncio.to_thread(self._nodes))
-        self.scheduler.set_inventory(slices)
-        self._admit()
-        self._update_gauges()
-        return slices
+    async def refresh_inventory(self) -> None:
+        await self.manager.refresh_inventory()
 
     def _update_gauges(self) -> None:
         states = {"free": 0, "held": 0, "broken": 0}
@@ -110,98 +107,56 @@ class Controller:
         metrics.QUEUE_LENGTH.set(len(self.scheduler.queued()))
         metrics.GANGS.set(len(self.gangs))
 
-    async def _refresh_forever(self) -> None:
+    async def _update_gauges_forever(self) -> None:
         while True:
-            await asyncio.sleep(_INVENTORY_PERIOD_S)
-            try:
-                await self.refresh_inventory()
-            except Exception:  # noqa: BLE001 - keep serving; the next round may work
-                log.exception("reading the Ray node table failed")
+            self._update_gauges()
+            await asyncio.sleep(1.0)
 
     # -- gangs ----------------------------------------------------------------------
 
-    async def allocate(self, num_slices: int, slice_type_name: str, *, timeout_s: float = 0,
-                       client: str = "") -> Gang:
-        """Admits a gang of whole slices and starts its workers; see AllocateGang."""
-        stype = slice_type(slice_type_name)
-        timeout_s = timeout_s or DEFAULT_ALLOCATE_TIMEOUT_S
-        gang_id = f"g{next(self._gang_ids)}"
-        request = GangRequest(gang_id, num_slices, stype, client)
-        await self.refresh_inventory()
-        self.scheduler.submit(request)
-        admitted = self._admitted[gang_id] = asyncio.get_running_loop().create_future()
-        self._admit()
-        log.info("gang %s: %s asks for %d x %s", gang_id, client or "a client", num_slices,
-                 stype.name)
-        try:
-            slice_names = await asyncio.wait_for(asyncio.shield(admitted), timeout_s)
-        except TimeoutError:
-            why = self.scheduler.why_waiting(gang_id)
-            raise DeadlineError(
-                f"no {num_slices} x {stype.name} could be admitted within {timeout_s:.0f} s: "
-                f"{why}; wait longer (timeout) or release other gangs"
-            ) from None
-        finally:
-            self._admitted.pop(gang_id, None)
-            if not admitted.done():
-                self.scheduler.cancel(gang_id)
-        inventory = self.scheduler.inventory
-        gang = Gang(gang_id, client, stype, [inventory[n] for n in slice_names],
-                    window=self._worker_window, spans=self.spans)
-        self.gangs[gang_id] = gang
-        try:
-            await gang.start(GANG_START_TIMEOUT_S)
-        except BaseException:
-            self.gangs.pop(gang_id, None)
-            self.scheduler.release(gang_id)
-            self._admit()
-            raise
-        return gang
+    async def allocate(self, num_slices: int, slice_type_name: str, **kwargs: Any
+                       ) -> tuple[Gang, str]:
+        """Admits and starts a gang; returns it and the id its caller uses (see
+        GangManager.allocate for the options)."""
+        result = await self.manager.allocate(num_slices, slice_type_name, **kwargs)
+        self._update_gauges()
+        return result
 
-    def _admit(self) -> None:
-        for admission in self.scheduler.schedule():
-            waiter = self._admitted.get(admission.request_id)
-            if waiter is None or waiter.done():
-                self.scheduler.release(admission.request_id)  # its client gave up meanwhile
-                continue
-            waiter.set_result(admission.slices)
-
-    async def release(self, gang_id: str, why: str = "was released") -> None:
-        gang = self.get_gang(gang_id, usable=False)
-        del self.gangs[gang_id]
-        self._archived_spans[gang_id] = await gang.collect_spans(timeout_s=5.0)
-        while len(self._archived_spans) > 32:
-            self._archived_spans.popitem(last=False)
-        await gang.stop()
-        dropped = self.arrays.drop_gang(gang_id, why)
-        self.scheduler.release(gang_id)
-        self._released[gang_id] = why
-        while len(self._released) > 10_000:
-            self._released.popitem(last=False)
-        log.info("gang %s %s (%d arrays freed)", gang_id, why, dropped)
-        self._admit()
+    async def release(self, gang_id: str, why: str = "was released", *,
+                      requeue: bool = False) -> None:
+        gang, attachment = self.manager.resolve(gang_id, usable=False)
+        if requeue and gang.state is not GangState.PREEMPTING:
+            raise FailedPreconditionError(
+                f"gang {gang_id} is not being preempted; only a preempted gang can yield and "
+                "stay queued (release it instead)")
+        if not attachment or len(gang.attachments) == 1:
+            self._archived_spans[gang.gang_id] = await gang.collect_spans(timeout_s=5.0)
+            while len(self._archived_spans) > 32:
+                self._archived_spans.popitem(last=False)
+        await self.manager.release(gang_id, why, requeue=requeue)
         self._update_gauges()
 
+    def _gang_stopped(self, gang: Gang, why: str) -> None:
+        dropped = self.arrays.drop_gang(gang.gang_id, why)
+        log.info("gang %s %s (%d arrays freed)", gang.gang_id, why, dropped)
+
     def get_gang(self, gang_id: str, *, usable: bool = True) -> Gang:
-        gang = self.gangs.get(gang_id)
-        if gang is None:
-            why = self._released.get(gang_id)
-            if why is not None:
-                raise FailedPreconditionError(
-                    f"gang {gang_id} {why}; allocate a new gang to run more work"
-                )
-            raise NotFoundError(f"gang {gang_id!r} is unknown to this controller")
-        if usable and gang.state is GangState.FAILED:
-            raise FailedPreconditionError(
-                f"gang {gang_id} failed ({gang.failure}); release it and allocate a new one"
-            )
-        return gang
+        return self.manager.get(gang_id, usable=usable)
+
+    def _submit(self, gang: Gang, client: str, build: Callable[[int], Any],
+                needs: Sequence[ArrayRecord | Ticket] = ()) -> Ticket:
+        """Queues an operation for `client` of the gang, numbered only after everything in
+        `needs` (the records it reads, the program load it runs) has been numbered: on a
+        shared gang another client's upload may still wait behind this client's work."""
+        waiting = [n for n in needs if not _numbered(n)]
+        ready = (lambda: all(_numbered(n) for n in waiting)) if waiting else None
+        return gang.dispatcher.submit(build, client=client, ready=ready)
 
     # -- programs -------------------------------------------------------------------
 
     async def register_program(self, gang_id: str, name: str, mesh: MeshSpec,
                                serialized: bytes) -> Program:
-        gang = self.get_gang(gang_id)
+        gang, client = self.manager.resolve(gang_id)
         mesh.check_fits(gang.shape)
         program_id = program_id_of(serialized, mesh)
         try:
@@ -210,15 +165,16 @@ class Controller:
             program = await asyncio.to_thread(load_program, serialized, name, mesh)
         program.check_fits(gang.shape, gang.platform, gang_id)
         self.programs.add(program)
-        self._ensure_loaded(gang, program)
+        self._ensure_loaded(gang, client, program)
         return program
 
-    def _ensure_loaded(self, gang: Gang, program: Program) -> None:
-        if program.program_id in gang.loaded_programs:
-            return
-        gang.dispatcher.submit(lambda seq: LoadOp(
-            seq, program.program_id, program.serialized, program.mesh, program.name))
-        gang.loaded_programs.add(program.program_id)
+    def _ensure_loaded(self, gang: Gang, client: str, program: Program) -> Ticket:
+        ticket = gang.loaded_programs.get(program.program_id)
+        if ticket is None:
+            ticket = gang.loaded_programs[program.program_id] = self._submit(
+                gang, client, lambda seq: LoadOp(seq, program.program_id, program.serialized,
+                                                 program.mesh, program.name))
+        return ticket
 
     def execute(self, gang_id: str, program_id: str, inputs: Sequence[str]
                 ) -> tuple[int, list[ArrayRecord]]:
@@ -231,14 +187,14 @@ class Controller:
 
         Every call is checked before any is queued, so a bad call queues nothing.
         """
-        gang = self.get_gang(gang_id)
+        gang, client = self.manager.resolve(gang_id)
         plan = []
         for k, (program_id, inputs) in enumerate(calls):
             where = f"call {k}: " if len(calls) > 1 else ""
             try:
                 program = self.programs.get(program_id)
                 program.check_fits(gang.shape, gang.platform, gang_id)
-                specs = [self._input_spec(h, gang_id, plan) for h in inputs]
+                specs = [self._input_spec(h, gang.gang_id, plan) for h in inputs]
                 program.check_inputs(specs, list(inputs))
             except SlicewiseError as exc:
                 raise type(exc)(where + str(exc)) from None
@@ -246,13 +202,24 @@ class Controller:
         results: list[tuple[int, list[ArrayRecord]]] = []
         for program, inputs in plan:
             handles = tuple(self._resolve(h, results) for h in inputs)
-            self._ensure_loaded(gang, program)
-            outputs = [self.arrays.new(gang_id, spec) for spec in program.outputs]
-            seq, done = gang.dispatcher.submit(lambda seq, p=program, i=handles, o=outputs: ExecOp(
-                seq, p.program_id, i, tuple(r.handle for r in o)))
-            done.add_done_callback(lambda f, o=outputs: [r.settle(f.result()) for r in o])
-            results.append((seq, outputs))
+            loaded = self._ensure_loaded(gang, client, program)
+            outputs = [self.arrays.new(gang.gang_id, spec) for spec in program.outputs]
+            ticket = self._submit(
+                gang, client, _marking(outputs, lambda seq, p=program, i=handles, o=outputs:
+                                       ExecOp(seq, p.program_id, i, tuple(r.handle for r in o))),
+                needs=[loaded, *(self.arrays.get(h) for h in handles)])
+            ticket.done.add_done_callback(
+                lambda f, o=outputs, c=client: self._executed(gang, c, o, f.result()))
+            results.append((ticket.seq, outputs))
         return results
+
+    @staticmethod
+    def _executed(gang: Gang, client: str, outputs: list[ArrayRecord], error: str | None
+                  ) -> None:
+        for r in outputs:
+            r.settle(error)
+        if error is None:
+            gang.programs_run[client] += 1
 
     def _input_spec(self, handle: str, gang_id: str, plan: list[tuple[Program, list[str]]]
                     ) -> ArraySpec:
@@ -287,16 +254,16 @@ class Controller:
 
     def begin_put(self, gang_id: str, spec: ArraySpec, sharding: ShardingSpec) -> PutTarget:
         """Validates an upload's header before any of its bytes arrive."""
-        gang = self.get_gang(gang_id)
+        gang, client = self.manager.resolve(gang_id)
         sharding.mesh.check_fits(gang.shape)
         sharding.check(spec.shape)
-        return PutTarget(gang, spec, sharding, np.empty(spec.nbytes, dtype=np.uint8))
+        return PutTarget(gang, client, spec, sharding, np.empty(spec.nbytes, dtype=np.uint8))
 
     async def finish_put(self, target: PutTarget) -> ArrayRecord:
         """Splits a received array into per-host pieces and queues it to the workers."""
         gang, spec = target.gang, target.spec
         if gang.state is not GangState.READY:
-            self.get_gang(gang.gang_id)
+            self.get_gang(gang.gang_id)  # raises why it is no longer usable
         array = target.buffer.view(dtype_of(spec.dtype)).reshape(spec.shape)
         started = time.perf_counter()
         indices = target.sharding.process_pieces(spec.shape, gang.shape)
@@ -311,9 +278,9 @@ class Controller:
         self.spans.record("send pieces", "transfer", started_us(started), trace_now_us(),
                           thread=f"gang {gang.gang_id}", gang=gang.gang_id, bytes=spec.nbytes)
         record = self.arrays.new(gang.gang_id, spec, target.sharding)
-        _, done = gang.dispatcher.submit(lambda seq: PutOp(
-            seq, record.handle, spec.shape, spec.dtype, target.sharding, key))
-        done.add_done_callback(lambda f: record.settle(f.result()))
+        ticket = self._submit(gang, target.client, _marking([record], lambda seq: PutOp(
+            seq, record.handle, spec.shape, spec.dtype, target.sharding, key)))
+        ticket.done.add_done_callback(lambda f: record.settle(f.result()))
         return record
 
     async def put_array(self, gang_id: str, array: np.ndarray, sharding: ShardingSpec
@@ -328,12 +295,12 @@ class Controller:
                    step: int, sharding: ShardingSpec, specs: Sequence[ArraySpec]) -> list[str]:
         """Queues "build your rows of the batch of `step`" on every worker of the gang;
         returns the handles of the batch fields (in sorted field order)."""
-        gang = self.get_gang(gang_id)
-        records = [self.arrays.new(gang_id, spec, sharding) for spec in specs]
+        gang, client = self.manager.resolve(gang_id)
+        records = [self.arrays.new(gang.gang_id, spec, sharding) for spec in specs]
         handles = tuple(r.handle for r in records)
-        _, done = gang.dispatcher.submit(
-            lambda seq: BatchOp(seq, program, overrides, step, sharding, handles))
-        done.add_done_callback(lambda f: [r.settle(f.result()) for r in records])
+        ticket = self._submit(gang, client, _marking(records, lambda seq: BatchOp(
+            seq, program, overrides, step, sharding, handles)))
+        ticket.done.add_done_callback(lambda f: [r.settle(f.result()) for r in records])
         return list(handles)
 
     async def fetch(self, handle: str, timeout_s: float = 0) -> tuple[ArrayRecord, np.ndarray]:
@@ -343,10 +310,10 @@ class Controller:
         gang = self.get_gang(record.gang_id)
         record.require_usable()
         pin_id = uuid.uuid4().hex
-        _, done = gang.dispatcher.submit(lambda seq: PinOp(seq, handle, pin_id))
+        ticket = self._submit(gang, "", lambda seq: PinOp(seq, handle, pin_id), needs=[record])
         started = time.perf_counter()
         try:
-            error = await asyncio.wait_for(done, timeout_s)
+            error = await asyncio.wait_for(ticket.done, timeout_s)
             if error:
                 raise FailedPreconditionError(f"array {handle} is unavailable: {error}")
             pinned = time.perf_counter()
@@ -381,15 +348,15 @@ class Controller:
         return records
 
     def delete(self, handles: Sequence[str]) -> int:
-        for h in handles:
-            self.arrays.get(h)  # all or none: fail before deleting anything
+        records = {h: self.arrays.get(h) for h in handles}  # all or none: check first
         by_gang: dict[str, list[str]] = {}
         for h in handles:
             by_gang.setdefault(self.arrays.delete(h).gang_id, []).append(h)
         for gang_id, group in by_gang.items():
             gang = self.gangs.get(gang_id)
-            if gang is not None and gang.state is GangState.READY:
-                gang.dispatcher.submit(lambda seq, g=tuple(group): DeleteOp(seq, g))
+            if gang is not None and gang.state in (GangState.READY, GangState.PREEMPTING):
+                self._submit(gang, "", lambda seq, g=tuple(group): DeleteOp(seq, g),
+                             needs=[records[h] for h in group])
         return len(handles)
 
     # -- status ---------------------------------------------------------------------
@@ -397,6 +364,7 @@ class Controller:
     async def trace(self, gang_id: str) -> dict[str, Any]:
         """The gang's timeline as Chrome trace JSON: the controller's dispatch and transfer
         spans and every worker's execute and transfer spans (also after release)."""
+        gang_id = gang_id.partition("@")[0]
         gang = self.gangs.get(gang_id)
         if gang is not None:
             hosts = await gang.collect_spans()
@@ -408,8 +376,20 @@ class Controller:
         mine = self.spans.spans(where={"gang": gang_id})
         return chrome_trace([("controller", mine), *hosts])
 
-    def gang_shape(self, gang_id: str) -> GangShape:
-        return self.get_gang(gang_id).shape
+
+
+def _numbered(need: ArrayRecord | Ticket) -> bool:
+    return need.numbered if isinstance(need, ArrayRecord) else need.seq > 0
+
+
+def _marking(records: Sequence[ArrayRecord], build: Callable[[int], Any]) -> Callable[[int], Any]:
+    """`build`, also marking the records it produces as numbered when it runs (which is
+    when the operation gets its place in the gang's order)."""
+    def numbered_build(seq: int) -> Any:
+        for r in records:
+            r.numbered = True
+        return build(seq)
+    return numbered_build
 
 
 def _assemble(spec: ArraySpec, pieces: list[list[tuple[tuple[slice, ...], np.ndarray]]]

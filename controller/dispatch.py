@@ -5,8 +5,10 @@ Clients get their answer as soon as an operation is queued (asynchronous dispatc
 Delivery and completion travel separately: `send` hands a batch to a worker and returns
 once the worker has queued it, and one long poll per worker (`poll`) brings back
 completions as they happen. So the pipeline to a worker stays full however long its
-programs run, and the bound on it is explicit: at most `max_in_flight` operations sent
-but not completed (the back-pressure the workers' bounded executors exert).
+programs run, and the bound on it is explicit: at most `max_in_flight` operations numbered
+but not completed (the back-pressure the workers' bounded executors exert). Operations get
+their sequence number only when there is room: until then they wait in per-client queues
+(fairqueue.py), which is where the clients of a shared gang are interleaved by weight.
 
 The transport is injected, so this runs in unit tests without processes.
 """
@@ -21,6 +23,7 @@ from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 
+from controller.fairqueue import FairQueue
 from worker.ops import Op, OpResult
 
 log = logging.getLogger(__name__)
@@ -35,15 +38,22 @@ Observer = Callable[[str, int, int, int, "str | None"], None]
 
 
 @dataclass
-class _Item:
-    ops: Op | Sequence[Op]  # one op for every worker, or one per worker
+class Ticket:
+    """A submitted operation: `seq` is its place in the gang's order (0 until it gets one:
+    while earlier work from other clients of a shared gang goes first), `done` resolves to
+    None when every worker completed it, or to the first error."""
+
+    build: Callable[[int], Op | Sequence[Op]]
     done: asyncio.Future[str | None]
+    client: str = ""
     seq: int = 0
     queued_ns: int = 0
+    ops: Op | Sequence[Op] | None = None  # one op for every worker, or one per worker
     waiting_for: set[int] = field(default_factory=set)  # workers yet to report
     error: str | None = None
 
     def op_for(self, worker: int) -> Op:
+        assert self.ops is not None
         return self.ops if not isinstance(self.ops, Sequence) else self.ops[worker]
 
 
@@ -55,7 +65,7 @@ class Dispatcher:
     """Sequence numbering, batched delivery and completion tracking for one gang."""
 
     def __init__(self, send: Send, poll: Poll, num_workers: int, *, max_batch: int = 128,
-                 max_in_flight: int = 256, max_sends: int = 1,
+                 max_in_flight: int = 32, max_sends: int = 1,
                  on_broken: Callable[[str], None] | None = None,
                  observer: Observer | None = None) -> None:
         self._send = send
@@ -70,8 +80,9 @@ class Dispatcher:
         self._on_broken = on_broken
         self._observer = observer
         self._next_seq = 1
-        self._queue: deque[_Item] = deque()
-        self._in_flight: dict[int, _Item] = {}
+        self._waiting: FairQueue[Ticket] = FairQueue()  # not yet numbered
+        self._numbered: deque[Ticket] = deque()  # numbered, not yet sent
+        self._in_flight: dict[int, Ticket] = {}  # numbered (sent or about to be)
         self._wake = asyncio.Event()
         self._tasks: set[asyncio.Task[None]] = set()
         self._started = False
@@ -80,34 +91,67 @@ class Dispatcher:
         self.completed = 0
         self.most_in_flight = 0
 
-    def submit(self, build: Callable[[int], Op | Sequence[Op]]) -> tuple[int, asyncio.Future[str | None]]:
-        """Queues the operation `build(seq)` builds; returns (seq, future of its error).
+    def submit(self, build: Callable[[int], Op | Sequence[Op]], *, client: str = "",
+               ready: Callable[[], bool] | None = None) -> Ticket:
+        """Queues the operation `build(seq)` will build once it is numbered.
 
-        The future resolves to None when every worker completed the operation, or to the
-        first worker's error message.
+        Operations of one client keep their order; clients of a shared gang are interleaved
+        by their weights (`set_weight`). `ready` may hold an operation back until what it
+        needs from other clients has been numbered. Numbering happens at once when the gang
+        has room in flight, else as earlier operations complete.
 
         Raises:
             GangBrokenError: the gang can no longer run anything.
         """
         if self.broken is not None:
             raise GangBrokenError(self.broken)
-        seq = self._next_seq
-        ops = build(seq)
-        self._next_seq += 1
         done: asyncio.Future[str | None] = asyncio.get_running_loop().create_future()
-        self._queue.append(_Item(ops, done, seq, time.time_ns()))
+        ticket = Ticket(build, done, client, queued_ns=time.time_ns())
+        self._waiting.push(client, ticket, ready)
         self.dispatched += 1
         if not self._started:
             self._started = True
             self._spawn(self._pump())
             for w in range(self._num_workers):
                 self._spawn(self._collect(w))
-        self._wake.set()
-        return seq, done
+        self._number()
+        return ticket
+
+    def set_weight(self, client: str, weight: float) -> None:
+        """The client's share of a shared gang, relative to the other clients' weights."""
+        self._waiting.set_weight(client, weight)
+
+    def shares(self) -> dict[str, tuple[float, int, int]]:
+        """client -> (weight, operations numbered, operations waiting)."""
+        return self._waiting.shares()
+
+    def _number(self) -> None:
+        """Gives sequence numbers, in fair order, to as many waiting operations as fit in
+        flight; the pump sends them."""
+        while len(self._in_flight) < self._max_in_flight:
+            picked = self._waiting.pop()
+            if picked is None:
+                break
+            ticket = picked[1]
+            ticket.seq = self._next_seq
+            self._next_seq += 1
+            try:
+                ticket.ops = ticket.build(ticket.seq)
+            except Exception as exc:  # noqa: BLE001 - the seq is taken: fill it with nothing
+                from worker.ops import DeleteOp
+
+                ticket.ops = DeleteOp(ticket.seq, ())
+                ticket.error = f"{type(exc).__name__}: {exc}"
+            ticket.waiting_for = set(range(self._num_workers))
+            self._in_flight[ticket.seq] = ticket
+            self._numbered.append(ticket)
+            self.most_in_flight = max(self.most_in_flight, len(self._in_flight))
+        if self._numbered:
+            self._wake.set()
 
     @property
     def queued(self) -> int:
-        return len(self._queue)
+        return len(self._waiting) + len(self._numbered)
 
     @property
     def in_flight(self) -> int:
@@ -130,19 +174,13 @@ class Dispatcher:
         while self.broken is None:
             await self._wake.wait()
             self._wake.clear()
-            while (self._queue and len(self._in_flight) < self._max_in_flight
-                   and self._sending < self._max_sends):
-                room = self._max_in_flight - len(self._in_flight)
-                batch = [self._queue.popleft()
-                         for _ in range(min(self._max_batch, room, len(self._queue)))]
-                for item in batch:
-                    item.waiting_for = set(range(self._num_workers))
-                    self._in_flight[item.seq] = item
-                self.most_in_flight = max(self.most_in_flight, len(self._in_flight))
+            while self._numbered and self._sending < self._max_sends:
+                batch = [self._numbered.popleft()
+                         for _ in range(min(self._max_batch, len(self._numbered)))]
                 self._sending += 1
                 self._spawn(self._deliver(batch))
 
-    async def _deliver(self, batch: list[_Item]) -> None:
+    async def _deliver(self, batch: list[Ticket]) -> None:
         try:
             await asyncio.gather(*(self._send(w, [item.op_for(w) for item in batch])
                                    for w in range(self._num_workers)))
@@ -176,13 +214,13 @@ class Dispatcher:
                     del self._in_flight[result.seq]
                     self._settle(item, item.error)
                     self.completed += 1
-                    self._wake.set()
+            self._number()
 
-    def _settle(self, item: _Item, error: str | None) -> None:
+    def _settle(self, item: Ticket, error: str | None) -> None:
         if item.done.done():
             return
         item.done.set_result(error)
-        if self._observer is not None:
+        if self._observer is not None and item.ops is not None:
             kind = type(item.op_for(0)).__name__.removesuffix("Op").lower()
             with contextlib.suppress(Exception):
                 self._observer(kind, item.seq, item.queued_ns, time.time_ns(), error)
@@ -191,10 +229,10 @@ class Dispatcher:
         if self.broken is not None:
             return
         self.broken = reason
-        for item in [*self._in_flight.values(), *self._queue]:
+        for item in [*self._in_flight.values(), *self._waiting.drain()]:
             self._settle(item, reason)
         self._in_flight.clear()
-        self._queue.clear()
+        self._numbered.clear()
         self._wake.set()
         if failure:
             log.error("gang dispatch stopped: %s", reason)

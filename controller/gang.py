@@ -7,14 +7,16 @@ import asyncio
 import contextlib
 import enum
 import logging
+import os
 import time
-from collections.abc import Sequence
+from collections import Counter
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
 
 from controller import metrics
-from controller.dispatch import Dispatcher
+from controller.dispatch import Dispatcher, Ticket
 from controller.errors import WorkerError
 from controller.inventory import Slice
 from controller.mesh import GangShape, Index
@@ -29,13 +31,30 @@ log = logging.getLogger(__name__)
 
 # Threads per worker actor: outstanding batches plus concurrent reads.
 _WORKER_THREADS = 16
+# Failpoint for tests: seconds to pause between reserving one slice and the next, so a
+# test can take a host away mid-reservation. Never set in production.
+_RESERVE_DELAY_S = float(os.environ.get("SLICEWISE_FAILPOINT_RESERVE_DELAY_S", "0"))
 
 
 class GangState(enum.Enum):
     STARTING = "starting"
     READY = "ready"
+    # Told to make room for a higher-priority request; still running until released.
+    PREEMPTING = "preempting"
+    # Workers stopped by preemption; queued to resume on new workers.
+    PREEMPTED = "preempted"
     FAILED = "failed"
     RELEASED = "released"
+
+
+class SliceLostError(WorkerError):
+    """A slice being reserved lost a host: the reservation was rolled back."""
+
+
+def worker_name(gang_id: str, epoch: int, process_id: int) -> str:
+    """The Ray actor name of a gang's worker (an epoch per start, so a restarted gang's
+    workers never collide with its old ones)."""
+    return f"slicewise-{gang_id}-e{epoch}-p{process_id}"
 
 
 class Gang:
@@ -52,35 +71,73 @@ class Gang:
         self.platform = "cpu" if self.simulated else "tpu"
         self.state = GangState.STARTING
         self.failure = ""
-        self.epoch = 1
+        self.epoch = 0
         self.created_at = time.time()
-        self.loaded_programs: set[str] = set()
+        self.loaded_programs: dict[str, Ticket] = {}
         self._window = window
         self._placement_groups: list[Any] = []
         self._workers: list[Any] = []
         self.data_addresses: list[str] = []
         self.spans = spans or SpanRecorder()
-        self.dispatcher = Dispatcher(self._send, self._poll, self.shape.num_processes,
-                                     on_broken=self._on_broken, observer=self._observe)
+        self.dispatcher = self._new_dispatcher()
+        # Shared gangs: attachment id -> (client name, weight); programs run per attachment.
+        self.priority = 0
+        self.shared_name = ""
+        self.attachments: dict[str, tuple[str, float]] = {}
+        self.programs_run: Counter[str] = Counter()
+        self.preempt_deadline = 0.0
+        self._watchers: set[asyncio.Queue[tuple[str, str]]] = set()
+
+    def _new_dispatcher(self) -> Dispatcher:
+        return Dispatcher(self._send, self._poll, self.shape.num_processes,
+                          on_broken=self._on_broken, observer=self._observe)
+
+    # -- events ---------------------------------------------------------------------
+
+    def publish(self, kind: str, message: str) -> None:
+        """Tells everyone watching the gang (clients, the job that holds it)."""
+        log.info("gang %s: %s: %s", self.gang_id, kind, message)
+        for queue in list(self._watchers):
+            if queue.full():
+                queue.get_nowait()
+            queue.put_nowait((kind, message))
+
+    def watch(self) -> asyncio.Queue[tuple[str, str]]:
+        queue: asyncio.Queue[tuple[str, str]] = asyncio.Queue(maxsize=100)
+        self._watchers.add(queue)
+        return queue
+
+    def unwatch(self, queue: asyncio.Queue[tuple[str, str]]) -> None:
+        self._watchers.discard(queue)
 
     # -- start ----------------------------------------------------------------------
 
-    async def start(self, timeout_s: float) -> None:
+    async def start(self, timeout_s: float, lost: Callable[[], str | None] = lambda: None
+                    ) -> None:
         """Reserves the slices, starts the workers and forms the jax.distributed cluster.
 
         All or nothing: on any failure every placement group and worker created so far
-        is removed before the error propagates.
+        is removed before the error propagates. `lost()` names a reserved slice that lost
+        a host meanwhile (from the inventory); the reservation is then rolled back at once.
 
         Raises:
+            SliceLostError: a slice lost a host while it was being reserved.
             WorkerError: reservation, worker start or formation failed or timed out.
         """
         started = time.monotonic()
+        self.epoch += 1
+        self.state = GangState.STARTING
+        self.dispatcher = self._new_dispatcher()
+        self.loaded_programs.clear()
         try:
-            await asyncio.wait_for(self._reserve(), timeout_s)
-            await asyncio.wait_for(self._form(), max(30.0, timeout_s - (time.monotonic() - started)))
+            await asyncio.wait_for(self._watched(self._reserve(), lost), timeout_s)
+            await asyncio.wait_for(self._watched(self._form(), lost),
+                                   max(30.0, timeout_s - (time.monotonic() - started)))
         except BaseException as exc:
             await self.stop()
             self.state = GangState.FAILED
+            if isinstance(exc, SliceLostError):
+                raise
             if isinstance(exc, TimeoutError):
                 raise WorkerError(
                     f"gang {self.gang_id} did not start within {timeout_s:.0f} s "
@@ -96,6 +153,31 @@ class Gang:
                  len(self.slices), [s.name for s in self.slices], len(self._workers),
                  time.monotonic() - started)
 
+    async def _watched(self, work: Any, lost: Callable[[], str | None]) -> None:
+        """Runs `work`, giving up as soon as a slice of the gang is lost."""
+        task = asyncio.ensure_future(work)
+        try:
+            while not task.done():
+                await asyncio.wait({task}, timeout=0.25)
+                name = None if task.done() else lost()
+                if name is not None:
+                    task.cancel()
+                    raise SliceLostError(f"slice {name} lost a host while gang {self.gang_id} "
+                                         "was starting on it")
+            task.result()
+        finally:
+            if not task.done():
+                task.cancel()
+
+    async def restart(self, slices: Sequence[Slice], timeout_s: float,
+                      lost: Callable[[], str | None] = lambda: None) -> None:
+        """Starts the gang again (after preemption) on `slices`, with new workers: its
+        arrays are gone; programs are loaded again on first use."""
+        await self.stop()
+        self.slices = list(slices)
+        self.preempt_deadline = 0.0
+        await self.start(timeout_s, lost)
+
     async def _reserve(self) -> None:
         from ray.util.placement_group import placement_group
 
@@ -108,6 +190,8 @@ class Gang:
                 bundles, strategy="STRICT_SPREAD", name=f"slicewise-{self.gang_id}-{s.name}",
                 bundle_label_selector=selectors,
             ))
+            if _RESERVE_DELAY_S and s is not self.slices[-1]:
+                await asyncio.sleep(_RESERVE_DELAY_S)  # failpoint, see below
         await asyncio.gather(*(pg.ready() for pg in self._placement_groups))
 
     async def _form(self) -> None:
@@ -132,7 +216,7 @@ class Gang:
                     runtime_env={"env_vars": env},
                     max_concurrency=_WORKER_THREADS,
                     max_restarts=0,
-                    name=f"slicewise-{self.gang_id}-p{placement.process_id}",
+                    name=worker_name(self.gang_id, self.epoch, placement.process_id),
                 ).remote(self.gang_id, self.shape, placement.process_id, window=self._window))
         coordinator = await self._workers[0].free_address.remote(head.address)
         infos = await asyncio.gather(*(
@@ -169,9 +253,10 @@ class Gang:
 
     def _on_broken(self, reason: str) -> None:
         metrics.FAILURES.labels("worker").inc()
-        if self.state is GangState.READY:
+        if self.state in (GangState.READY, GangState.PREEMPTING):
             self.state = GangState.FAILED
             self.failure = reason
+            self.publish("failed", reason)
 
     def _observe(self, kind: str, seq: int, queued_ns: int, settled_ns: int,
                  error: str | None) -> None:
@@ -226,7 +311,7 @@ class Gang:
         import ray
         from ray.util.placement_group import remove_placement_group
 
-        await self.dispatcher.close(f"gang {self.gang_id} was released")
+        await self.dispatcher.close(f"gang {self.gang_id} stopped")
         for worker in self._workers:
             with contextlib.suppress(Exception):
                 ray.kill(worker, no_restart=True)

@@ -263,7 +263,7 @@ class JobRunner:
         set_log_context(job=job.job_id)
         gang = None
         try:
-            gang = await self.controller.allocate(
+            gang, _ = await self.controller.allocate(
                 job.spec.num_slices, job.spec.slice_type, client=f"job {job.job_id}")
             job.gang_id = gang.gang_id
             set_log_context(gang=gang.gang_id)

@@ -7,6 +7,7 @@ import asyncio
 import logging
 import os
 import signal
+import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -46,8 +47,14 @@ def prepare_environment(ray_address: str | None) -> None:
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     host = (ray_address or "127.0.0.1").rsplit(":", 1)[0]
     if host in ("127.0.0.1", "localhost"):
-        # Ray would otherwise swap a loopback address for this machine's public IP.
+        # Ray would otherwise swap a loopback address for this machine's public IP and
+        # then wait forever for a GCS that only listens on loopback. Ray reads this
+        # setting when it is imported; if it already was, set the constant it came to.
         os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+        if "ray" in sys.modules:
+            from ray._private import ray_constants
+
+            ray_constants.ENABLE_RAY_CLUSTER = False
 
 
 def run(config: ServerConfig) -> int:

@@ -26,7 +26,7 @@ from controller.errors import (
     NotFoundError,
     WorkerError,
 )
-from controller.gang import Gang
+from controller.gang import Gang, worker_name
 from controller.jobs import JobRunner, JobSpec
 from controller.logs import set_log_context
 from protos import controller_pb2 as pb
@@ -92,13 +92,22 @@ def _streaming(fn: Callable[..., AsyncIterator[Any]]) -> Callable[..., AsyncIter
     return wrapper
 
 
-def gang_to_pb(gang: Gang) -> pb.GangInfo:
+def gang_to_pb(gang: Gang, gang_id: str) -> pb.GangInfo:
+    """What a client learns about the gang it allocated (under the id it should use)."""
     return pb.GangInfo(
-        gang_id=gang.gang_id, slice_type=gang.slice_type.name, num_slices=gang.shape.num_slices,
+        gang_id=gang_id, slice_type=gang.slice_type.name, num_slices=gang.shape.num_slices,
         hosts_per_slice=gang.shape.hosts_per_slice, chips_per_host=gang.shape.chips_per_host,
         slices=[s.name for s in gang.slices], platform=gang.platform,
         topology=gang.slice_type.topology,
     )
+
+
+def shares_to_pb(gang: Gang) -> list[pb.ClientShare]:
+    waiting = gang.dispatcher.shares()
+    return [pb.ClientShare(attachment=a, client=client, weight=weight,
+                           programs_run=gang.programs_run[a],
+                           waiting=waiting.get(a, (0, 0, 0))[2])
+            for a, (client, weight) in gang.attachments.items()]
 
 
 class ControllerServicer(pb_grpc.ControllerServicer):
@@ -140,22 +149,50 @@ class ControllerServicer(pb_grpc.ControllerServicer):
                 gang_id=gang.gang_id, client=gang.client, slice_type=gang.slice_type.name,
                 slices=[s.name for s in gang.slices], dispatched=gang.dispatcher.dispatched,
                 completed=gang.dispatcher.completed, live_arrays=c.arrays.count(gang.gang_id),
+                state=gang.state.value, priority=gang.priority, shared_name=gang.shared_name,
+                shares=shares_to_pb(gang),
             ))
+        now = c.scheduler.clock()
+        for queued in c.scheduler.queue_snapshot():
+            r = queued.request
+            info.queue.append(pb.QueuedRequest(
+                request_id=r.request_id, client=r.client, num_slices=r.num_slices,
+                slice_types=[t.name for t in r.slice_types], priority=r.priority,
+                position=queued.position, waited_s=now - r.submitted_at, reason=queued.reason))
         return info
 
     @_unary
     async def AllocateGang(self, request: pb.AllocateGangRequest, context: Any) -> pb.GangInfo:
-        gang = await self.controller.allocate(
+        gang, gang_id = await self.controller.allocate(
             request.num_slices, request.slice_type, timeout_s=request.timeout_s,
-            client=request.client or (context.peer() or ""),
+            client=request.client or (context.peer() or ""), priority=request.priority,
+            max_wait_s=request.max_wait_s or None, alternatives=list(request.alternatives),
+            same_type=not request.mixed_types, shared=request.shared,
+            weight=request.weight or 1.0,
         )
-        return gang_to_pb(gang)
+        return gang_to_pb(gang, gang_id)
 
     @_unary
     async def ReleaseGang(self, request: pb.ReleaseGangRequest, context: Any
                           ) -> pb.ReleaseGangResponse:
-        await self.controller.release(request.gang_id)
+        await self.controller.release(request.gang_id, requeue=request.requeue)
         return pb.ReleaseGangResponse()
+
+    @_streaming
+    async def WatchGang(self, request: pb.WatchGangRequest, context: Any
+                        ) -> AsyncIterator[pb.GangEvent]:
+        gang = self.controller.get_gang(request.gang_id, usable=False)
+        queue = gang.watch()
+        try:
+            while True:
+                kind, message = await queue.get()
+                grace = max(0.0, gang.preempt_deadline - time.monotonic()) \
+                    if kind == "preempt" else 0.0
+                yield pb.GangEvent(kind=kind, message=message, grace_s=grace)
+                if kind == "released":
+                    return
+        finally:
+            gang.unwatch(queue)
 
     @_unary
     async def RegisterProgram(self, request_iterator: AsyncIterator[pb.ProgramChunk],
@@ -255,9 +292,11 @@ class ControllerServicer(pb_grpc.ControllerServicer):
         return pb.GangStats(
             gang_id=gang.gang_id, dispatched=d.dispatched, completed=d.completed, queued=d.queued,
             workers=[pb.WorkerStats(
+                actor_name=worker_name(gang.gang_id, gang.epoch, s["process_id"]),
                 process_id=s["process_id"], pid=s["pid"], arrays=s["arrays"], bytes=s["bytes"],
                 programs=s["programs"], next_sequence=s["next_seq"],
                 max_in_flight=s["max_in_flight"], window=s["window"]) for s in stats],
+            shares=shares_to_pb(gang),
         )
 
     @_streaming

@@ -127,6 +127,10 @@ class HostWorker:
         """The multi-controller baseline of `benchmarks/` (see JaxRuntime.run_loop)."""
         return self.runtime.run_loop(program_id, handles, n, window)
 
+    def bench_train_loop(self, *args: Any) -> float:
+        """The multi-controller training baseline (see JaxRuntime.run_train_loop)."""
+        return self.runtime.run_train_loop(*args)
+
     def trace_spans(self, since_us: int = 0) -> list[Span]:
         return self.spans.spans(since_us)
 

@@ -155,18 +155,26 @@ class JaxRuntime:
             self.buffers.fail(op.handles, f"building the batch of step {op.step} failed: {error}")
 
     def _batch(self, op: BatchOp) -> None:
+        arrays = self.build_batch(op.program, op.overrides, op.step, op.sharding)
+        for handle, array in zip(op.handles, arrays, strict=True):
+            self.buffers.put(handle, array)
+
+    def build_batch(self, program_name: str, overrides: tuple[tuple[str, str], ...], step: int,
+                    sharding_spec: ShardingSpec) -> list[Any]:
+        """This host's rows of a program's global batch for `step`, as global arrays (one
+        per batch field, in sorted field order); other hosts build the other rows."""
         import jax
 
         from programs.base import get_program
 
-        program = get_program(op.program)
-        config = self._configs.get((op.program, op.overrides))
+        program = get_program(program_name)
+        config = self._configs.get((program_name, overrides))
         if config is None:
-            config = self._configs[(op.program, op.overrides)] = program.make_config(
-                dict(op.overrides))
+            config = self._configs[(program_name, overrides)] = program.make_config(
+                dict(overrides))
         spec = program.batch_spec(config)
         fields = sorted(spec)
-        sharding = self.named_sharding(op.sharding)
+        sharding = self.named_sharding(sharding_spec)
         rows = spec[fields[0]].shape[0]
         blocks: dict[tuple[int, int], dict[str, np.ndarray]] = {}
         per_field: dict[str, list[Any]] = {f: [] for f in fields}
@@ -174,13 +182,12 @@ class JaxRuntime:
                 spec[fields[0]].shape).items():
             lo, hi = index[0].indices(rows)[:2]
             if (lo, hi) not in blocks:  # replicas on this host share one read
-                blocks[(lo, hi)] = program.host_batch(config, op.step, lo // (hi - lo),
+                blocks[(lo, hi)] = program.host_batch(config, step, lo // (hi - lo),
                                                       rows // (hi - lo))
             for f in fields:
                 per_field[f].append(jax.device_put(blocks[(lo, hi)][f], device))
-        for f, handle in zip(fields, op.handles, strict=True):
-            self.buffers.put(handle, jax.make_array_from_single_device_arrays(
-                spec[f].shape, sharding, per_field[f]))
+        return [jax.make_array_from_single_device_arrays(spec[f].shape, sharding, per_field[f])
+                for f in fields]
 
     def stage(self, key: str, pieces: list[tuple[Index, np.ndarray]]) -> None:
         """Keeps pieces that arrived over the data port until their PutOp comes."""
@@ -276,6 +283,29 @@ class JaxRuntime:
                 in_flight.popleft().block_until_ready()
         for a in args:
             a.block_until_ready()
+        return time.perf_counter() - started
+
+    def run_train_loop(self, program_id: str, state_handles: list[str], program_name: str,
+                       overrides: tuple[tuple[str, str], ...], batch_sharding: ShardingSpec,
+                       first_step: int, n: int, window: int) -> float:
+        """A multi-controller training loop on this host (benchmark baseline): builds its
+        own batch rows, runs the step, reads each step's metrics as it retires. Run it on
+        every process of the gang at once, with the gang's executor idle. Returns seconds."""
+        from collections import deque
+
+        program = self._programs[program_id]
+        state = [self.buffers.get(h) for h in state_handles]
+        in_flight: deque[Any] = deque()
+        started = time.perf_counter()
+        for step in range(first_step, first_step + n):
+            batch = self.build_batch(program_name, overrides, step, batch_sharding)
+            outputs = self._call(program, [*state, *batch])
+            state = outputs[:len(state)]
+            in_flight.append(outputs[len(state)])
+            if len(in_flight) > window:
+                np.asarray(in_flight.popleft().addressable_shards[0].data)
+        while in_flight:
+            np.asarray(in_flight.popleft().addressable_shards[0].data)
         return time.perf_counter() - started
 
     # -- reads ---------------------------------------------------------------------

@@ -14,6 +14,16 @@ from protos import controller_pb2 as pb
 pytestmark = pytest.mark.integration
 
 
+def settled_bytes(gang, done, timeout=30.0):
+    """Bytes the gang's workers hold, once `done(bytes)` (deletes are asynchronous)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        held = sum(w.bytes for w in gang.stats().workers)
+        if done(held) or time.monotonic() > deadline:
+            return held
+        time.sleep(0.1)
+
+
 @pytest.mark.slow
 def test_one_gib_float32_round_trips_bit_identical(two_slices):
     gang = two_slices
@@ -34,7 +44,7 @@ def test_one_gib_float32_round_trips_bit_identical(two_slices):
     assert np.array_equal(back.view(np.uint32), x.view(np.uint32))
     remote.delete()
     del back
-    held = sum(w.bytes for w in gang.stats().workers)
+    held = settled_bytes(gang, lambda b: b < 2**20)
     assert held < 2**20, f"workers still hold {held} bytes after the delete"
 
 
@@ -67,5 +77,5 @@ def test_wait_reports_ready_and_delete_frees_worker_memory(two_slices):
     grown = sum(w.bytes for w in gang.stats().workers)
     assert grown - before == 3 * 256 * 256 * 4
     slicewise.delete(arrays)
-    after = sum(w.bytes for w in gang.stats().workers)
+    after = settled_bytes(gang, lambda b: b == before)
     assert after == before

@@ -77,9 +77,9 @@ def test_seq_numbers_start_at_one_and_each_op_is_built_with_its_own():
         workers = FakeWorkers(1)
         dispatcher = Dispatcher(workers.send, workers.poll, 1)
         submitted = [dispatcher.submit(delete) for _ in range(5)]
-        await asyncio.gather(*(done for _, done in submitted))
+        await asyncio.gather(*(t.done for t in submitted))
         await dispatcher.close("done")
-        return [seq for seq, _ in submitted], workers.seqs(0)
+        return [t.seq for t in submitted], workers.seqs(0)
 
     seqs, delivered = run(scenario())
     assert seqs == [1, 2, 3, 4, 5]
@@ -90,7 +90,7 @@ def test_every_worker_receives_every_op_in_seq_order_in_bounded_batches():
     async def scenario():
         workers = FakeWorkers(3)
         dispatcher = Dispatcher(workers.send, workers.poll, 3, max_batch=3)
-        dones = [dispatcher.submit(delete)[1] for _ in range(10)]
+        dones = [dispatcher.submit(delete).done for _ in range(10)]
         errors = await asyncio.gather(*dones)
         await dispatcher.close("done")
         return workers, dispatcher, errors
@@ -107,8 +107,8 @@ def test_per_worker_ops_go_to_their_own_worker():
     async def scenario():
         workers = FakeWorkers(2)
         dispatcher = Dispatcher(workers.send, workers.poll, 2)
-        _, done = dispatcher.submit(lambda seq: [DeleteOp(seq, ("a",)), DeleteOp(seq, ("b",))])
-        await done
+        ticket = dispatcher.submit(lambda seq: [DeleteOp(seq, ("a",)), DeleteOp(seq, ("b",))])
+        await ticket.done
         await dispatcher.close("done")
         return workers
 
@@ -121,7 +121,7 @@ def test_an_op_settles_only_when_every_worker_reported_it():
     async def scenario():
         workers = FakeWorkers(2, hold=True)
         dispatcher = Dispatcher(workers.send, workers.poll, 2)
-        _, done = dispatcher.submit(delete)
+        done = dispatcher.submit(delete).done
         await until(lambda: workers.queued[0] and workers.queued[1])
         workers.finish(0)
         await asyncio.sleep(0.01)
@@ -140,7 +140,7 @@ def test_in_flight_operations_are_bounded_and_the_rest_follow_as_they_complete()
     async def scenario():
         workers = FakeWorkers(2, hold=True)
         dispatcher = Dispatcher(workers.send, workers.poll, 2, max_batch=2, max_in_flight=4)
-        dones = [dispatcher.submit(delete)[1] for _ in range(11)]
+        dones = [dispatcher.submit(delete).done for _ in range(11)]
         await until(lambda: len(workers.queued[0]) == 4 and len(workers.queued[1]) == 4)
         await asyncio.sleep(0.01)
         first_wave = (workers.seqs(0), dispatcher.in_flight, dispatcher.queued)
@@ -162,7 +162,7 @@ def test_a_worker_error_fails_that_op_only():
     async def scenario():
         workers = FakeWorkers(2, errors={(1, 2): "boom on worker 1"})
         dispatcher = Dispatcher(workers.send, workers.poll, 2)
-        dones = [dispatcher.submit(delete)[1] for _ in range(3)]
+        dones = [dispatcher.submit(delete).done for _ in range(3)]
         results = await asyncio.gather(*dones)
         await dispatcher.close("done")
         return results, dispatcher.broken
@@ -181,7 +181,7 @@ def test_a_broken_transport_fails_everything_and_refuses_more(where):
         workers = FakeWorkers(2, hold=True, **{f"{where}_raises": error})
         dispatcher = Dispatcher(workers.send, workers.poll, 2, max_in_flight=2,
                                 on_broken=broken_calls.append)
-        dones = [dispatcher.submit(delete)[1] for _ in range(5)]
+        dones = [dispatcher.submit(delete).done for _ in range(5)]
         results = await asyncio.gather(*dones)
         with pytest.raises(GangBrokenError, match="worker 0 died"):
             dispatcher.submit(delete)
@@ -201,7 +201,7 @@ def test_close_fails_pending_work_without_calling_it_broken():
         workers = FakeWorkers(1, hold=True)
         dispatcher = Dispatcher(workers.send, workers.poll, 1, max_in_flight=1,
                                 on_broken=broken_calls.append)
-        dones = [dispatcher.submit(delete)[1] for _ in range(3)]
+        dones = [dispatcher.submit(delete).done for _ in range(3)]
         await until(lambda: workers.queued[0])
         await dispatcher.close("gang g1 was released")
         return await asyncio.gather(*dones)
@@ -217,7 +217,7 @@ def test_observer_hears_every_settled_op_with_its_kind_and_timing():
         workers = FakeWorkers(1, errors={(0, 2): "bad"})
         dispatcher = Dispatcher(workers.send, workers.poll, 1,
                                 observer=lambda *args: seen.append(args))
-        await asyncio.gather(*(dispatcher.submit(delete)[1] for _ in range(2)))
+        await asyncio.gather(*(dispatcher.submit(delete).done for _ in range(2)))
         await dispatcher.close("done")
 
     run(scenario())
@@ -232,7 +232,7 @@ def test_completions_out_of_sequence_order_are_all_counted():
     async def scenario():
         workers = FakeWorkers(2, hold=True)
         dispatcher = Dispatcher(workers.send, workers.poll, 2)
-        dones = [dispatcher.submit(delete)[1] for _ in range(3)]
+        dones = [dispatcher.submit(delete).done for _ in range(3)]
         await until(lambda: len(workers.queued[0]) == 3 and len(workers.queued[1]) == 3)
         workers.finish(0, order=[2, 0, 1])
         workers.finish(1, order=[2, 1, 0])
@@ -243,3 +243,83 @@ def test_completions_out_of_sequence_order_are_all_counted():
     results, completed = run(scenario())
     assert results == [None, None, None]
     assert completed == 3
+
+
+def test_ops_beyond_the_in_flight_bound_wait_unnumbered_and_follow_in_order():
+    async def scenario():
+        workers = FakeWorkers(1, hold=True)
+        dispatcher = Dispatcher(workers.send, workers.poll, 1, max_in_flight=2)
+        tickets = [dispatcher.submit(delete) for _ in range(5)]
+        numbered_at_once = [t.seq for t in tickets]
+        while not all(t.done.done() for t in tickets):
+            workers.finish(0, 1)
+            await asyncio.sleep(0.001)
+        await dispatcher.close("done")
+        return numbered_at_once, [t.seq for t in tickets], workers.seqs(0)
+
+    at_once, final, delivered = run(scenario())
+    assert at_once == [1, 2, 0, 0, 0]
+    assert final == [1, 2, 3, 4, 5] and delivered == [1, 2, 3, 4, 5]
+
+
+def test_clients_of_a_shared_gang_are_interleaved_by_weight():
+    async def scenario():
+        workers = FakeWorkers(1, hold=True)
+        dispatcher = Dispatcher(workers.send, workers.poll, 1, max_in_flight=1)
+        dispatcher.set_weight("a", 1.0)
+        dispatcher.set_weight("b", 2.0)
+        order = []
+        blocker = dispatcher.submit(delete)  # holds the single slot while both queue up
+
+        def tagged(client):
+            return lambda seq: (order.append(client), DeleteOp(seq, ()))[1]
+
+        tickets = [dispatcher.submit(tagged(c), client=c) for c in ["a"] * 10 + ["b"] * 20]
+        while not all(t.done.done() for t in [blocker, *tickets]):
+            workers.finish(0, 1)
+            await asyncio.sleep(0.001)
+        await dispatcher.close("done")
+        return order
+
+    order = run(scenario())
+    first = order[:15]
+    assert first.count("b") == 10 and first.count("a") == 5  # 1:2 while both wait
+    assert sorted(order) == ["a"] * 10 + ["b"] * 20
+
+
+def test_an_op_waits_until_what_it_needs_is_numbered():
+    async def scenario():
+        workers = FakeWorkers(1)
+        dispatcher = Dispatcher(workers.send, workers.poll, 1)
+        gate = {"open": False}
+        held = dispatcher.submit(delete, client="b", ready=lambda: gate["open"])
+        free = dispatcher.submit(delete, client="a")
+        await free.done
+        before = held.seq
+        gate["open"] = True
+        dispatcher.submit(delete, client="a")  # any later event numbers what is ready
+        await held.done
+        await dispatcher.close("done")
+        return before, free.seq, held.seq
+
+    before, free_seq, held_seq = run(scenario())
+    assert before == 0 and free_seq == 1 and held_seq == 2
+
+
+def test_a_build_that_fails_still_uses_its_seq_and_reports_the_error():
+    async def scenario():
+        workers = FakeWorkers(1)
+        dispatcher = Dispatcher(workers.send, workers.poll, 1)
+
+        def broken(seq):
+            raise ValueError("cannot build")
+
+        bad = dispatcher.submit(broken)
+        good = dispatcher.submit(delete)
+        results = [await bad.done, await good.done]
+        await dispatcher.close("done")
+        return results, workers.seqs(0)
+
+    results, delivered = run(scenario())
+    assert results == ["ValueError: cannot build", None]
+    assert delivered == [1, 2]  # the worker's order has no hole
