@@ -54,7 +54,8 @@ class GangManager:
         self._attach_ids = itertools.count(1)
         self._released: OrderedDict[str, str] = OrderedDict()
         self._waiters: dict[str, asyncio.Future[tuple[str, ...]]] = {}
-        self._shared: dict[str, str] = {}  # shared name -> gang id
+        # shared name -> the gang of that name (a future while it is being allocated)
+        self._shared: dict[str, asyncio.Future[Gang]] = {}
         self._refresher: asyncio.Task[None] | None = None
         self._background: set[asyncio.Task[None]] = set()
 
@@ -131,9 +132,26 @@ class GangManager:
         Returns the gang and the id the caller should use for it."""
         if weight <= 0:
             raise InvalidRequestError(f"a share weight must be positive, got {weight}")
-        if shared and shared in self._shared:
-            return self._attach(self.gangs[self._shared[shared]], num_slices, slice_type_name,
-                                client, weight)
+        if shared:
+            existing = self._shared.get(shared)
+            if existing is not None:  # being allocated by another client, or up already
+                gang = await asyncio.shield(existing)
+                return self._attach(gang, num_slices, slice_type_name, client, weight)
+            creating = self._shared[shared] = asyncio.get_running_loop().create_future()
+            try:
+                gang, _ = await self.allocate(num_slices, slice_type_name, timeout_s=timeout_s,
+                                              client=client, priority=priority,
+                                              max_wait_s=max_wait_s, alternatives=alternatives,
+                                              same_type=same_type)
+            except BaseException as exc:
+                del self._shared[shared]
+                creating.set_exception(exc if isinstance(exc, Exception) else
+                                       DeadlineError(f"shared gang {shared!r} was not created"))
+                creating.exception()  # retrieved: waiters get it; nobody else needs to
+                raise
+            gang.shared_name = shared
+            creating.set_result(gang)
+            return self._attach(gang, num_slices, slice_type_name, client, weight)
         stype = slice_type(slice_type_name)
         alts = tuple(slice_type(n) for n in alternatives if slice_type(n) != stype)
         timeout_s = timeout_s or DEFAULT_ALLOCATE_TIMEOUT_S
@@ -173,10 +191,6 @@ class GangManager:
                 self.decide()
                 raise
         gang.priority = priority
-        if shared:
-            gang.shared_name = shared
-            self._shared[shared] = gang_id
-            return self._attach(gang, num_slices, slice_type_name, client, weight)
         return gang, gang_id
 
     async def _admitted(self, request: GangRequest, deadline: float) -> tuple[str, ...]:

@@ -20,6 +20,7 @@ def _controller(args: argparse.Namespace) -> int:
             host_object_store_mb=args.host_object_store_mb,
             head_object_store_mb=args.head_object_store_mb, worker_window=args.window,
             metrics_port=args.metrics_port, state_dir=args.state_dir,
+            preemption_grace_s=args.preemption_grace,
         )
     except ValueError as exc:
         print(f"slicewise controller: {exc}", file=sys.stderr)
@@ -219,6 +220,9 @@ def build_parser() -> argparse.ArgumentParser:
     _object_store_flags(p)
     p.add_argument("--metrics-port", type=int, metavar="PORT",
                    help="serve Prometheus metrics on this port (0 picks a free one)")
+    p.add_argument("--preemption-grace", type=float, default=30.0, metavar="SECONDS",
+                   help="time a preempted gang's holder gets to save its work (default "
+                        "%(default)s)")
     p.add_argument("--state-dir", metavar="DIR",
                    help="where the journal of jobs and metrics lives (default: a temporary "
                         "directory with --sim, ~/.local/state/slicewise otherwise)")

@@ -278,26 +278,30 @@ class Gang:
         """
         import jax
         from jax import export
+        from jax.sharding import NamedSharding, PartitionSpec
 
+        is_remote = lambda x: isinstance(x, RemoteArray)  # noqa: E731
         meshes: list[MeshSpec] = []
-
-        def describe(a: Any) -> Any:
-            if isinstance(a, RemoteArray):
-                if a.sharding is not None:
-                    meshes.append(a.sharding.mesh)
-                return a.shape_dtype_struct()
-            if isinstance(a, jax.ShapeDtypeStruct):
-                if a.sharding is not None:
-                    meshes.append(self._mesh_of(a.sharding.mesh).spec)
-                return a
-            arr = np.asarray(a)
-            return jax.ShapeDtypeStruct(arr.shape, arr.dtype)
-
-        specs = jax.tree.map(describe, args, is_leaf=lambda x: isinstance(x, RemoteArray))
+        for a in jax.tree.leaves(args, is_leaf=is_remote):
+            if isinstance(a, RemoteArray) and a.sharding is not None:
+                meshes.append(a.sharding.mesh)
+            elif isinstance(a, jax.ShapeDtypeStruct) and a.sharding is not None:
+                meshes.append(self._mesh_of(a.sharding.mesh).spec)
         chosen = mesh.spec if mesh is not None else (
             meshes[0] if meshes else (self._meshes[-1] if self._meshes else self.mesh()).spec)
         if any(m != chosen for m in meshes):
             raise InvalidRequestError("all inputs of one program must use the same mesh")
+        replicated = NamedSharding(chosen.abstract(), PartitionSpec())
+
+        def describe(a: Any) -> Any:
+            if isinstance(a, RemoteArray):
+                return a.shape_dtype_struct()
+            if isinstance(a, jax.ShapeDtypeStruct):
+                return a
+            arr = np.asarray(a)  # an example value: replicated over the gang
+            return jax.ShapeDtypeStruct(arr.shape, arr.dtype, sharding=replicated)
+
+        specs = jax.tree.map(describe, args, is_leaf=is_remote)
         jitted = fn if hasattr(fn, "lower") else jax.jit(fn)
         exported = export.export(jitted, platforms=[self.platform])(*specs)
         return self.load(exported, Mesh(chosen), name=name or getattr(fn, "__name__", ""))

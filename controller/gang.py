@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import enum
+import json
 import logging
 import os
 import time
@@ -31,9 +32,20 @@ log = logging.getLogger(__name__)
 
 # Threads per worker actor: outstanding batches plus concurrent reads.
 _WORKER_THREADS = 16
-# Failpoint for tests: seconds to pause between reserving one slice and the next, so a
-# test can take a host away mid-reservation. Never set in production.
-_RESERVE_DELAY_S = float(os.environ.get("SLICEWISE_FAILPOINT_RESERVE_DELAY_S", "0"))
+
+
+def _failpoint(name: str) -> float:
+    """Test-only pauses: if SLICEWISE_FAILPOINTS names a JSON file, its value for `name`
+    (e.g. {"reserve_delay_s": 4}: wait that long before reserving, so a test can take a
+    host away mid-reservation). Read on every use, so a test can set and clear it."""
+    path = os.environ.get("SLICEWISE_FAILPOINTS")
+    if not path:
+        return 0.0
+    try:
+        with open(path) as f:
+            return float(json.load(f).get(name, 0.0))
+    except (OSError, ValueError):
+        return 0.0
 
 
 class GangState(enum.Enum):
@@ -179,20 +191,26 @@ class Gang:
         await self.start(timeout_s, lost)
 
     async def _reserve(self) -> None:
+        """One placement group for the whole gang, one bundle per host, each pinned to its
+        slice and host by label: Ray reserves all bundles of a group atomically, so the
+        gang is held whole or not at all, never in part."""
         from ray.util.placement_group import placement_group
 
+        bundles: list[dict[str, float]] = []
+        selectors: list[dict[str, str]] = []
         for s in self.slices:
-            bundles = [{"TPU": float(self.shape.chips_per_host)} for _ in range(s.type.hosts)]
-            bundles[0][s.type.head_resource] = 1.0
-            selectors = [{SLICE_NAME_LABEL: s.name, WORKER_ID_LABEL: str(h)}
-                         for h in range(s.type.hosts)]
-            self._placement_groups.append(placement_group(
-                bundles, strategy="STRICT_SPREAD", name=f"slicewise-{self.gang_id}-{s.name}",
-                bundle_label_selector=selectors,
-            ))
-            if _RESERVE_DELAY_S and s is not self.slices[-1]:
-                await asyncio.sleep(_RESERVE_DELAY_S)  # failpoint, see below
-        await asyncio.gather(*(pg.ready() for pg in self._placement_groups))
+            for h in range(s.type.hosts):
+                bundle = {"TPU": float(self.shape.chips_per_host)}
+                if h == 0:
+                    bundle[s.type.head_resource] = 1.0
+                bundles.append(bundle)
+                selectors.append({SLICE_NAME_LABEL: s.name, WORKER_ID_LABEL: str(h)})
+        if _failpoint("reserve_delay_s"):
+            await asyncio.sleep(_failpoint("reserve_delay_s"))  # see _failpoint
+        self._placement_groups.append(placement_group(
+            bundles, strategy="STRICT_SPREAD", name=f"slicewise-{self.gang_id}-e{self.epoch}",
+            bundle_label_selector=selectors))
+        await self._placement_groups[0].ready()
 
     async def _form(self) -> None:
         import ray
@@ -202,7 +220,8 @@ class Gang:
 
         remote_cls = ray.remote(HostWorker)
         head = self.slices[0].host(0)
-        for s_index, (s, pg) in enumerate(zip(self.slices, self._placement_groups, strict=True)):
+        (pg,) = self._placement_groups
+        for s_index, s in enumerate(self.slices):
             for h in range(s.type.hosts):
                 placement = HostPlacement(s_index, h, len(self.slices), s.type.hosts,
                                           s.type.chips_per_host)
@@ -212,7 +231,7 @@ class Gang:
                     num_cpus=0,
                     resources={"TPU": float(s.type.chips_per_host)},
                     scheduling_strategy=PlacementGroupSchedulingStrategy(
-                        pg, placement_group_bundle_index=h),
+                        pg, placement_group_bundle_index=placement.process_id),
                     runtime_env={"env_vars": env},
                     max_concurrency=_WORKER_THREADS,
                     max_restarts=0,

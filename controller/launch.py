@@ -22,12 +22,14 @@ class ControllerProcess:
 
     def __init__(self, *, sim: str | None = None, ray_address: str | None = None,
                  extra_args: tuple[str, ...] = (), stderr: IO[str] | None = None,
-                 start_timeout_s: float = 300.0, cwd: str | None = None) -> None:
+                 start_timeout_s: float = 300.0, cwd: str | None = None,
+                 env: dict[str, str] | None = None) -> None:
         where = ["--sim", sim] if sim else ["--ray-address", str(ray_address)]
         self.proc = subprocess.Popen(
             [sys.executable, "-P", "-m", "controller.cli", "controller", *where, "--port", "0",
              *extra_args],
             stdout=subprocess.PIPE, stderr=stderr, text=True, start_new_session=True, cwd=cwd,
+            env=None if env is None else os.environ | env,
         )
         try:
             lines = _wait_for_listening(self.proc, start_timeout_s)

@@ -27,6 +27,8 @@ class ServerConfig:
     head_object_store_mb: int = 3072
     worker_window: int = 3
     metrics_port: int | None = None
+    # Seconds a preempted gang's holder gets to save its work before the gang is stopped.
+    preemption_grace_s: float = 30.0
     # Where the journal (jobs, their metrics) lives; None: a fresh temporary directory
     # with --sim (the simulation dies with the controller), ~/.local/state otherwise.
     state_dir: str | None = None
@@ -101,7 +103,8 @@ async def _serve(config: ServerConfig, simulation_pid: int, ray_address: str,
     from controller.servicer import ControllerServicer
     from protos import controller_pb2_grpc as pb_grpc
 
-    controller = Controller(simulated=bool(config.sim), worker_window=config.worker_window)
+    controller = Controller(simulated=bool(config.sim), worker_window=config.worker_window,
+                            grace_s=config.preemption_grace_s)
     await controller.start()
     journal = Journal(Path(state_dir) / "journal.sqlite")
     jobs = JobRunner(controller, journal)

@@ -38,12 +38,16 @@ def pytest_runtest_makereport(item, call):
             report.sections.append((f"controller log {path.name} (tail)", log_tail(path)))
 
 
-def start_controller(tmp_path_factory, name: str, **kwargs) -> ControllerProcess:
-    """A controller subprocess whose stderr goes to a log shown when a test fails."""
-    path = Path(tmp_path_factory.mktemp(name)) / f"{name}.log"
+def start_controller(tmp_path_factory, name: str, *, extra_args=(), **kwargs
+                     ) -> ControllerProcess:
+    """A controller subprocess whose stderr goes to a log shown when a test fails, and
+    whose journal lives in the test's temporary directory."""
+    directory = Path(tmp_path_factory.mktemp(name))
+    path = directory / f"{name}.log"
     _LOGS.append(path)
     with open(path, "w") as log:
-        return ControllerProcess(stderr=log, **kwargs)
+        return ControllerProcess(stderr=log, extra_args=(
+            "--state-dir", str(directory / "state"), *extra_args), **kwargs)
 
 
 @pytest.fixture(scope="session")
