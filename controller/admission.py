@@ -154,6 +154,12 @@ class GangManager:
             return self._attach(gang, num_slices, slice_type_name, client, weight)
         stype = slice_type(slice_type_name)
         alts = tuple(slice_type(n) for n in alternatives if slice_type(n) != stype)
+        shapes = {(t.hosts, t.chips_per_host) for t in (stype, *alts)}
+        if not same_type and len(shapes) > 1:
+            raise InvalidRequestError(
+                "a gang runs one SPMD program over equal slices, and slices of types "
+                f"{', '.join(t.name for t in (stype, *alts))} differ in shape; ask for one "
+                "type at a time (alternatives without mixed types)")
         timeout_s = timeout_s or DEFAULT_ALLOCATE_TIMEOUT_S
         gang_id = f"g{next(self._ids)}"
         request = GangRequest(gang_id, num_slices, stype, client, priority=priority,

@@ -38,7 +38,7 @@ def _status(args: argparse.Namespace) -> int:
         print(f"slicewise status: {exc}", file=sys.stderr)
         return 1
     with client:
-        print_status(client.health(), client.cluster_info())
+        print_status(client.health(), client.cluster_info(), client.jobs())
     return 0
 
 
