@@ -14,6 +14,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -86,6 +87,9 @@ class ArrayRecord:
     # Its producing operation has its place in the gang's order, so later operations
     # that read it may be numbered.
     numbered: bool = False
+    # Operations queued to read it and not numbered yet (dispatch.Ticket): a delete must
+    # come after them, even when another client of a shared gang queued them.
+    readers: list[Any] = field(default_factory=list, repr=False)
 
     def settle(self, error: str | None) -> None:
         if self.state is ArrayState.PENDING:

@@ -150,7 +150,13 @@ class Controller:
         shared gang another client's upload may still wait behind this client's work."""
         waiting = [n for n in needs if not _numbered(n)]
         ready = (lambda: all(_numbered(n) for n in waiting)) if waiting else None
-        return gang.dispatcher.submit(build, client=client, ready=ready)
+        ticket = gang.dispatcher.submit(build, client=client, ready=ready)
+        for n in needs:
+            if isinstance(n, ArrayRecord):
+                n.readers = [t for t in n.readers if t.seq == 0]
+                if ticket.seq == 0:
+                    n.readers.append(ticket)
+        return ticket
 
     # -- programs -------------------------------------------------------------------
 
@@ -202,16 +208,30 @@ class Controller:
         results: list[tuple[int, list[ArrayRecord]]] = []
         for program, inputs in plan:
             handles = tuple(self._resolve(h, results) for h in inputs)
-            loaded = self._ensure_loaded(gang, client, program)
-            outputs = [self.arrays.new(gang.gang_id, spec) for spec in program.outputs]
-            ticket = self._submit(
-                gang, client, _marking(outputs, lambda seq, p=program, i=handles, o=outputs:
-                                       ExecOp(seq, p.program_id, i, tuple(r.handle for r in o))),
-                needs=[loaded, *(self.arrays.get(h) for h in handles)])
-            ticket.done.add_done_callback(
-                lambda f, o=outputs, c=client: self._executed(gang, c, o, f.result()))
+            ticket, outputs = self._queue_call(gang, client, program, handles)
             results.append((ticket.seq, outputs))
         return results
+
+    def call(self, gang_id: str, program_id: str, inputs: Sequence[str],
+             report: Sequence[int] = ()) -> tuple[Ticket, list[ArrayRecord]]:
+        """Queues one call from inside the controller (e.g. a job's step); the values of
+        the outputs at `report` (small, replicated) come back on the ticket when it is
+        done, with no fetch."""
+        gang, client = self.manager.resolve(gang_id)
+        program = self.programs.get(program_id)
+        return self._queue_call(gang, client, program, tuple(inputs), tuple(report))
+
+    def _queue_call(self, gang: Gang, client: str, program: Program, handles: tuple[str, ...],
+                    report: tuple[int, ...] = ()) -> tuple[Ticket, list[ArrayRecord]]:
+        loaded = self._ensure_loaded(gang, client, program)
+        outputs = [self.arrays.new(gang.gang_id, spec) for spec in program.outputs]
+        ticket = self._submit(
+            gang, client, _marking(outputs, lambda seq: ExecOp(
+                seq, program.program_id, handles, tuple(r.handle for r in outputs), report)),
+            needs=[loaded, *(self.arrays.get(h) for h in handles)])
+        ticket.done.add_done_callback(
+            lambda f: self._executed(gang, client, outputs, f.result()))
+        return ticket, outputs
 
     @staticmethod
     def _executed(gang: Gang, client: str, outputs: list[ArrayRecord], error: str | None
@@ -355,8 +375,8 @@ class Controller:
         for gang_id, group in by_gang.items():
             gang = self.gangs.get(gang_id)
             if gang is not None and gang.state in (GangState.READY, GangState.PREEMPTING):
-                self._submit(gang, "", lambda seq, g=tuple(group): DeleteOp(seq, g),
-                             needs=[records[h] for h in group])
+                needs = [n for h in group for n in (records[h], *records[h].readers)]
+                self._submit(gang, "", lambda seq, g=tuple(group): DeleteOp(seq, g), needs=needs)
         return len(handles)
 
     # -- status ---------------------------------------------------------------------

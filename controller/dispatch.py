@@ -22,6 +22,7 @@ import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from controller.fairqueue import FairQueue
 from worker.ops import Op, OpResult
@@ -51,6 +52,7 @@ class Ticket:
     ops: Op | Sequence[Op] | None = None  # one op for every worker, or one per worker
     waiting_for: set[int] = field(default_factory=set)  # workers yet to report
     error: str | None = None
+    values: tuple[Any, ...] | None = None  # reported output values (ExecOp.report)
 
     def op_for(self, worker: int) -> Op:
         assert self.ops is not None
@@ -210,6 +212,8 @@ class Dispatcher:
                 item.waiting_for.discard(worker)
                 if result.error and item.error is None:
                     item.error = result.error
+                if result.values is not None:
+                    item.values = result.values
                 if not item.waiting_for:
                     del self._in_flight[result.seq]
                     self._settle(item, item.error)

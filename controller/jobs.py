@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from controller import metrics
-from controller.arrays import ArraySpec
+from controller.arrays import ArrayRecord, ArraySpec
 from controller.errors import FailedPreconditionError, InvalidRequestError, NotFoundError
 from controller.journal import Journal, StepRecord
 from controller.logs import set_log_context
@@ -321,32 +321,34 @@ class JobRunner:
         tokens = program.tokens_per_step(config)
         self._move(job, JobState.RUNNING, f"mesh {mesh.describe()}, {flops / 1e9:.2f} GFLOP/step")
 
-        pending: deque[tuple[int, str]] = deque()
+        pending: deque[tuple[int, Any, ArrayRecord]] = deque()
         last_done = time.monotonic()  # step 0's time includes the workers' compilation
+        metrics_index = len(step_program.outputs) - 1
         for step in range(job.step, spec.steps):
             if job.cancel_requested:
                 break
             batch = c.load_batch(gang.gang_id, spec.program, overrides, step, batch_sharding,
                                  fields)
-            _, outs = c.execute(gang.gang_id, step_program.program_id,
-                                [*state_handles, *batch])
-            c.delete([*state_handles, *batch])
+            ticket, outs = c.call(gang.gang_id, step_program.program_id,
+                                  [*state_handles, *batch], report=[metrics_index])
+            c.delete([*state_handles, *batch, outs[n_state].handle])
             state_handles = [r.handle for r in outs[:n_state]]
-            pending.append((step, outs[n_state].handle))
+            pending.append((step, ticket, outs[n_state]))
             while len(pending) > STEPS_AHEAD:
                 last_done = await self._record(job, *pending.popleft(), last_done, tokens)
         while pending:
             last_done = await self._record(job, *pending.popleft(), last_done, tokens)
         c.delete(state_handles)
 
-    async def _record(self, job: Job, step: int, handle: str, since: float, tokens: int
-                      ) -> float:
-        record, values = await self.controller.fetch(handle)
-        self.controller.delete([handle])
-        # When the step finished on the gang (not when its metrics were read: reads lag).
+    async def _record(self, job: Job, step: int, ticket: Any, record: ArrayRecord,
+                      since: float, tokens: int) -> float:
+        error = await ticket.done
+        if error:
+            raise FailedPreconditionError(f"step {step} failed: {error}")
+        # When the step finished on the gang (not when the controller got round to it).
         now = record.settled_at or time.monotonic()
         step_time = now - since
-        grad_norm, learning_rate, loss = (float(v) for v in values)
+        grad_norm, learning_rate, loss = (float(v) for v in ticket.values[0])
         measured = StepRecord(step, loss, grad_norm, learning_rate, step_time,
                               tokens / step_time if step_time > 0 else 0.0, time.time())
         job.step = step + 1

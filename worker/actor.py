@@ -50,14 +50,14 @@ class HostWorker:
 
         self.data = DataServer(ray.util.get_node_ip_address(), self._receive, self._send)
 
-    def _on_done(self, op: Op, started_ns: int, finished_ns: int, error: str | None) -> None:
+    def _on_done(self, op: Op, started_ns: int, finished_ns: int, result: OpResult) -> None:
         name, args = self.runtime.describe(op)
-        if error:
-            args["error"] = error
+        if result.error:
+            args["error"] = result.error
         self.spans.record(name, "execute", started_ns // 1000, finished_ns // 1000,
                           thread="executor", gang=self.gang_id, seq=op.seq, **args)
         with self._done_cond:
-            self._done.append(OpResult(op.seq, error))
+            self._done.append(result)
             self._done_cond.notify_all()
 
     def _receive(self, key: str, pieces: Pieces, started_us: int) -> None:

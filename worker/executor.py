@@ -18,21 +18,22 @@ import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
-from typing import Protocol
+from typing import Any, Protocol
 
 from worker.ops import Op, OpResult
 
 
 class Pending(Protocol):
-    """Work launched but maybe not finished; `wait` raises if it failed."""
+    """Work launched but maybe not finished; `wait` raises if it failed, and returns the
+    values to report with the completion (or None)."""
 
-    def wait(self) -> None: ...
+    def wait(self) -> Any: ...
 
 
 Apply = Callable[[Op], "Pending | None"]
 OnFailure = Callable[[Op, str], None]
-# Called once per operation when it completes: (op, started_ns, finished_ns, error).
-OnDone = Callable[[Op, int, int, "str | None"], None]
+# Called once per operation when it completes: (op, started_ns, finished_ns, result).
+OnDone = Callable[[Op, int, int, OpResult], None]
 
 
 class SequenceError(RuntimeError):
@@ -141,20 +142,21 @@ class InOrderExecutor:
             return
         op, pending, fut, started = self._in_flight.popleft()
         try:
-            pending.wait()
+            values = pending.wait()
         except Exception as exc:  # noqa: BLE001
             self._finish(op, fut, started, exc)
             return
-        self._finish(op, fut, started, None)
+        self._finish(op, fut, started, None, values)
 
     def _finish(self, op: Op, fut: Future[OpResult], started_ns: int,
-                exc: BaseException | None) -> None:
+                exc: BaseException | None, values: Any = None) -> None:
         message = None if exc is None else f"{type(exc).__name__}: {exc}"
         if message is not None and self._on_failure is not None:
             self._on_failure(op, message)
+        result = OpResult(op.seq, message, values)
         if self._on_done is not None:
-            self._on_done(op, started_ns, time.time_ns(), message)
-        fut.set_result(OpResult(op.seq, message))
+            self._on_done(op, started_ns, time.time_ns(), result)
+        fut.set_result(result)
 
     def _fail_all(self, reason: str) -> None:
         for op, fut in self._waiting.values():

@@ -4,6 +4,7 @@ the gang's sequence. Plain picklable data: Ray carries them, numpy payloads zero
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from controller.mesh import MeshSpec, ShardingSpec
 
@@ -33,12 +34,15 @@ class LoadOp:
 
 @dataclass(frozen=True)
 class ExecOp:
-    """Call a loaded program on stored arrays and store its outputs."""
+    """Call a loaded program on stored arrays and store its outputs. The values of the
+    outputs listed in `report` (small, replicated ones, e.g. a training step's metrics)
+    come back with the completion, from process 0: no fetch needed."""
 
     seq: int
     program_id: str
     inputs: tuple[str, ...]
     outputs: tuple[str, ...]
+    report: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -78,7 +82,9 @@ Op = PutOp | LoadOp | ExecOp | DeleteOp | PinOp | BatchOp
 
 @dataclass(frozen=True)
 class OpResult:
-    """What became of one op on one worker: `error` is None when it succeeded."""
+    """What became of one op on one worker: `error` is None when it succeeded; `values`
+    are the reported outputs' values (see ExecOp.report), if any."""
 
     seq: int
     error: str | None = None
+    values: tuple[Any, ...] | None = None

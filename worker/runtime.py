@@ -29,14 +29,20 @@ class _Program:
 
 
 class _Outputs:
-    """Pending device work: the outputs of one launched program."""
+    """Pending device work: the outputs of one launched program, and the ones whose
+    values go back with the completion."""
 
-    def __init__(self, arrays: list[Any]) -> None:
+    def __init__(self, arrays: list[Any], report: list[Any]) -> None:
         self._arrays = arrays
+        self._report = report
 
-    def wait(self) -> None:
+    def wait(self) -> tuple[np.ndarray, ...] | None:
         for a in self._arrays:
             a.block_until_ready()
+        if not self._report:
+            return None
+        # Replicated outputs: this process's first shard is the whole value.
+        return tuple(np.asarray(a.addressable_shards[0].data) for a in self._report)
 
 
 class JaxRuntime:
@@ -252,7 +258,8 @@ class JaxRuntime:
             )
         for handle, array in zip(op.outputs, outputs, strict=True):
             self.buffers.put(handle, array)
-        return _Outputs(outputs)
+        report = [outputs[i] for i in op.report] if self.process_id == 0 else []
+        return _Outputs(outputs, report)
 
     @staticmethod
     def _call(program: _Program, args: list[Any]) -> list[Any]:
