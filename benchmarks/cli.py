@@ -14,6 +14,7 @@ BENCHMARKS = {
     "transfer": "benchmarks.transfer",
     "putfetch": "benchmarks.putfetch",
     "scheduler": "benchmarks.scheduler",
+    "train_overhead": "benchmarks.train_overhead",
 }
 
 
