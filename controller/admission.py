@@ -149,7 +149,7 @@ class GangManager:
                                        DeadlineError(f"shared gang {shared!r} was not created"))
                 creating.exception()  # retrieved: waiters get it; nobody else needs to
                 raise
-            gang.shared_name = shared
+            gang.share(shared)
             creating.set_result(gang)
             return self._attach(gang, num_slices, slice_type_name, client, weight)
         stype = slice_type(slice_type_name)

@@ -2,9 +2,8 @@
 worker of the gang, and settles each one when all workers report it complete.
 
 Clients get their answer as soon as an operation is queued (asynchronous dispatch).
-Delivery and completion travel separately: `send` hands a batch to a worker and returns
-once the worker has queued it, and one long poll per worker (`poll`) brings back
-completions as they happen. So the pipeline to a worker stays full however long its
+Delivery and completion travel separately: `send` puts a batch on its way to a worker,
+and one reader per worker (`poll`) takes completions as the worker pushes them. So the pipeline to a worker stays full however long its
 programs run, and the bound on it is explicit: at most `max_in_flight` operations numbered
 but not completed (the back-pressure the workers' bounded executors exert). Operations get
 their sequence number only when there is room: until then they wait in per-client queues
@@ -31,9 +30,9 @@ log = logging.getLogger(__name__)
 
 # Hands a batch to worker `index`; returns once the worker has queued it.
 Send = Callable[[int, list[Op]], Awaitable[None]]
-# Worker `index`'s completions from position `cursor` of its completion log on (in the
-# order they completed, which need not be sequence order); may wait a while for one.
-Poll = Callable[[int, int], Awaitable[list[OpResult]]]
+# Worker `index`'s next completions, in the order they completed (which need not be
+# sequence order); waits for at least one.
+Poll = Callable[[int], Awaitable[list[OpResult]]]
 # Told about every settled operation: (op kind, seq, queued_ns, settled_ns, error).
 Observer = Callable[[str, int, int, int, "str | None"], None]
 
@@ -74,7 +73,7 @@ class Dispatcher:
         self._poll = poll
         self._num_workers = num_workers
         self._max_batch = max_batch
-        self._max_in_flight = max_in_flight
+        self.max_in_flight = max_in_flight  # may change while running
         # One delivery at a time (per gang): operations that arrive while one is on its
         # way go together in the next batch, so a burst costs a few calls, not one each.
         self._max_sends = max_sends
@@ -130,7 +129,7 @@ class Dispatcher:
     def _number(self) -> None:
         """Gives sequence numbers, in fair order, to as many waiting operations as fit in
         flight; the pump sends them."""
-        while len(self._in_flight) < self._max_in_flight:
+        while len(self._in_flight) < self.max_in_flight:
             picked = self._waiting.pop()
             if picked is None:
                 break
@@ -195,16 +194,14 @@ class Dispatcher:
             self._wake.set()
 
     async def _collect(self, worker: int) -> None:
-        cursor = 0
         while self.broken is None:
             try:
-                results = await self._poll(worker, cursor)
+                results = await self._poll(worker)
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # noqa: BLE001
                 self._break(f"{type(exc).__name__}: {exc}")
                 return
-            cursor += len(results)
             for result in results:
                 item = self._in_flight.get(result.seq)
                 if item is None:

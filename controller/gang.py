@@ -9,6 +9,7 @@ import enum
 import json
 import logging
 import os
+import secrets
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
@@ -25,6 +26,7 @@ from controller.simcluster import SLICE_NAME_LABEL, WORKER_ID_LABEL
 from controller.topology import SliceType
 from controller.trace import Span, SpanRecorder
 from worker import transport
+from worker.channel import ChannelError, ControllerEnd
 from worker.env import HostPlacement, simulated_host_env, tpu_host_env
 from worker.ops import Op, OpResult
 
@@ -63,6 +65,13 @@ class SliceLostError(WorkerError):
     """A slice being reserved lost a host: the reservation was rolled back."""
 
 
+# Operations numbered ahead of their completion. Many for a gang with one client, so that
+# a chain of calls goes out as one batch; fewer for a shared gang, where numbering late is
+# what lets each client's work interleave by its weight.
+EXCLUSIVE_IN_FLIGHT = 256
+SHARED_IN_FLIGHT = 32
+
+
 def worker_name(gang_id: str, epoch: int, process_id: int) -> str:
     """The Ray actor name of a gang's worker (an epoch per start, so a restarted gang's
     workers never collide with its old ones)."""
@@ -89,12 +98,13 @@ class Gang:
         self._window = window
         self._placement_groups: list[Any] = []
         self._workers: list[Any] = []
+        self._channels: list[ControllerEnd] = []
         self.data_addresses: list[str] = []
         self.spans = spans or SpanRecorder()
-        self.dispatcher = self._new_dispatcher()
         # Shared gangs: attachment id -> (client name, weight); programs run per attachment.
         self.priority = 0
         self.shared_name = ""
+        self.dispatcher = self._new_dispatcher()
         self.attachments: dict[str, tuple[str, float]] = {}
         self.programs_run: Counter[str] = Counter()
         self.preempt_deadline = 0.0
@@ -102,7 +112,14 @@ class Gang:
 
     def _new_dispatcher(self) -> Dispatcher:
         return Dispatcher(self._send, self._poll, self.shape.num_processes,
+                          max_in_flight=SHARED_IN_FLIGHT if self.shared_name
+                          else EXCLUSIVE_IN_FLIGHT,
                           on_broken=self._on_broken, observer=self._observe)
+
+    def share(self, name: str) -> None:
+        """Makes this the shared gang `name` that several clients attach to."""
+        self.shared_name = name
+        self.dispatcher.max_in_flight = SHARED_IN_FLIGHT
 
     # -- events ---------------------------------------------------------------------
 
@@ -219,6 +236,7 @@ class Gang:
         from worker.actor import HostWorker
 
         remote_cls = ray.remote(HostWorker)
+        token = secrets.token_hex(16)
         head = self.slices[0].host(0)
         (pg,) = self._placement_groups
         for s_index, s in enumerate(self.slices):
@@ -236,7 +254,8 @@ class Gang:
                     max_concurrency=_WORKER_THREADS,
                     max_restarts=0,
                     name=worker_name(self.gang_id, self.epoch, placement.process_id),
-                ).remote(self.gang_id, self.shape, placement.process_id, window=self._window))
+                ).remote(self.gang_id, self.shape, placement.process_id, window=self._window,
+                         token=token))
         coordinator = await self._workers[0].free_address.remote(head.address)
         infos = await asyncio.gather(*(
             w.initialize.remote(
@@ -247,23 +266,20 @@ class Gang:
         self.platform = infos[0]["platform"]
         self.data_addresses = list(await asyncio.gather(
             *(w.data_address.remote() for w in self._workers)))
+        self._channels = list(await asyncio.gather(*(
+            ControllerEnd.connect(address, token, self.epoch, self.describe_process(p))
+            for p, address in enumerate(self.data_addresses))))
 
     # -- running --------------------------------------------------------------------
 
     async def _send(self, worker: int, ops: list[Op]) -> None:
-        await self._call(worker, "submit", self.epoch, ops)
+        await self._channels[worker].send(ops)
 
-    async def _poll(self, worker: int, cursor: int) -> list[OpResult]:
-        return await self._call(worker, "completions", cursor, 10.0)
-
-    async def _call(self, worker: int, method: str, *args: Any) -> Any:
-        from ray.exceptions import RayActorError
-
+    async def _poll(self, worker: int) -> list[OpResult]:
         try:
-            return await getattr(self._workers[worker], method).remote(*args)
-        except RayActorError as exc:
-            raise WorkerError(f"the worker of {self.describe_process(worker)} died "
-                              f"({type(exc).__name__})") from exc
+            return await self._channels[worker].receive()
+        except ChannelError as exc:
+            raise WorkerError(str(exc)) from exc
 
     def describe_process(self, process_id: int) -> str:
         """`host 1 of slice sim-2-v5litepod-16` for a jax.distributed process id."""
@@ -331,6 +347,9 @@ class Gang:
         from ray.util.placement_group import remove_placement_group
 
         await self.dispatcher.close(f"gang {self.gang_id} stopped")
+        for channel in self._channels:
+            channel.close()
+        self._channels.clear()
         for worker in self._workers:
             with contextlib.suppress(Exception):
                 ray.kill(worker, no_restart=True)

@@ -1,7 +1,9 @@
 """The Ray actor that runs on each TPU host (or simulated host) of a gang.
 
 A worker lives as long as its gang: it joins the gang's jax.distributed cluster once
-(JAX allows that once per process) and is killed when the gang is released.
+(JAX allows that once per process) and is killed when the gang is released. Ray creates
+it, forms the gang and serves the occasional request (stats, spans); the operations of
+the gang, and their completions, travel on the control channel (channel.py).
 """
 
 from __future__ import annotations
@@ -9,13 +11,12 @@ from __future__ import annotations
 import logging
 import os
 import socket
-import threading
 import time
-from collections import deque
 from typing import Any
 
 from controller.mesh import GangShape
 from controller.trace import Span, SpanRecorder, now_us
+from worker.channel import WorkerEnd
 from worker.executor import InOrderExecutor
 from worker.ops import Op, OpResult
 from worker.runtime import JaxRuntime
@@ -31,24 +32,23 @@ class HostWorker:
     """One host of a gang. Created by the controller with `ray.remote(HostWorker)`."""
 
     def __init__(self, gang_id: str, gang: GangShape, process_id: int, *,
-                 window: int = DEFAULT_WINDOW) -> None:
+                 window: int = DEFAULT_WINDOW, token: str = "") -> None:
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
         self.gang_id = gang_id
         self.process_id = process_id
         self.runtime = JaxRuntime(gang, process_id)
         self.spans = SpanRecorder()
-        self._done: deque[OpResult] = deque()
-        self._done_base = 0  # completion-log position of self._done[0]
-        self._done_cond = threading.Condition()
+        self._token = token
+        self._channel: WorkerEnd | None = None  # once the gang is formed
         self.executor = InOrderExecutor(
             self.runtime.apply, window=window, on_failure=self.runtime.on_failure,
-            on_done=self._on_done,
+            on_done=self._on_done, on_idle=self._flush,
         )
-        self._epoch = 0
         self._started = time.time()
         import ray
 
-        self.data = DataServer(ray.util.get_node_ip_address(), self._receive, self._send)
+        self.data = DataServer(ray.util.get_node_ip_address(), self._receive, self._send,
+                               self._control)
 
     def _on_done(self, op: Op, started_ns: int, finished_ns: int, result: OpResult) -> None:
         name, args = self.runtime.describe(op)
@@ -56,9 +56,18 @@ class HostWorker:
             args["error"] = result.error
         self.spans.record(name, "execute", started_ns // 1000, finished_ns // 1000,
                           thread="executor", gang=self.gang_id, seq=op.seq, **args)
-        with self._done_cond:
-            self._done.append(result)
-            self._done_cond.notify_all()
+        assert self._channel is not None  # operations only come through it
+        self._channel.completed(result)
+
+    def _flush(self) -> None:
+        if self._channel is not None:
+            self._channel.flush()
+
+    def _control(self, conn: socket.socket, hello: dict[str, Any], reply: Any) -> None:
+        if self._channel is None:
+            reply({"error": "this worker has not joined its gang yet"})
+            return
+        self._channel.serve(conn, hello, reply)
 
     def _receive(self, key: str, pieces: Pieces, started_us: int) -> None:
         self.runtime.stage(key, pieces)
@@ -91,34 +100,9 @@ class HostWorker:
             coordinator, partition_index=partition_index, bind_address=bind_address,
             timeout_s=timeout_s,
         )
-        self._epoch = epoch
+        self._channel = WorkerEnd(self._token, epoch, self.executor.submit)
         log.info("gang %s process %d joined: %s", self.gang_id, self.process_id, info)
         return info | {"pid": os.getpid()}
-
-    def submit(self, epoch: int, ops: list[Op]) -> None:
-        """Queues `ops` for in-order execution; returns at once (see `completions`)."""
-        if epoch != self._epoch:
-            raise RuntimeError(f"stale epoch {epoch} (this worker is at {self._epoch})")
-        self.executor.submit(ops)
-
-    def completions(self, cursor: int, timeout_s: float = 10.0) -> list[OpResult]:
-        """Results of completed operations, in the order they completed, from position
-        `cursor` of this worker's completion log on; waits up to `timeout_s` for one.
-        Entries before `cursor` are forgotten: the caller has them. (Positions, not
-        sequence numbers: an upload or delete completes at once while earlier programs
-        may still be running, so completions do not arrive in sequence order.)"""
-        deadline = time.monotonic() + timeout_s
-        with self._done_cond:
-            drop = min(cursor - self._done_base, len(self._done))
-            for _ in range(max(0, drop)):
-                self._done.popleft()
-            self._done_base += max(0, drop)
-            while not self._done:
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    break
-                self._done_cond.wait(remaining)
-            return list(self._done)
 
     def drop_pin(self, pin_id: str) -> None:
         self.runtime.drop_pin(pin_id)

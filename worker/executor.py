@@ -34,6 +34,9 @@ Apply = Callable[[Op], "Pending | None"]
 OnFailure = Callable[[Op, str], None]
 # Called once per operation when it completes: (op, started_ns, finished_ns, result).
 OnDone = Callable[[Op, int, int, OpResult], None]
+# Called whenever the executor is about to wait (for operations, or for device work):
+# completions reported since can go out together now without delaying anything.
+OnIdle = Callable[[], None]
 
 
 class SequenceError(RuntimeError):
@@ -44,12 +47,14 @@ class InOrderExecutor:
     """Applies operations in sequence order on one thread, at most `window` in flight."""
 
     def __init__(self, apply: Apply, *, window: int = 3, first_seq: int = 1,
-                 on_failure: OnFailure | None = None, on_done: OnDone | None = None) -> None:
+                 on_failure: OnFailure | None = None, on_done: OnDone | None = None,
+                 on_idle: OnIdle | None = None) -> None:
         if window < 1:
             raise ValueError(f"window must be >= 1, got {window}")
         self._apply = apply
         self._on_failure = on_failure
         self._on_done = on_done
+        self._on_idle = on_idle or (lambda: None)
         self._window = window
         self._next = first_seq
         self._waiting: dict[int, tuple[Op, Future[OpResult]]] = {}
@@ -112,6 +117,7 @@ class InOrderExecutor:
         while True:
             with self._cond:
                 while not self._stopped and self._next not in self._waiting and not self._in_flight:
+                    self._on_idle()
                     self._cond.wait()
                 if self._stopped:
                     self._fail_all("worker is shutting down")
@@ -120,6 +126,8 @@ class InOrderExecutor:
                 if ready is not None:
                     self._next += 1
             if ready is None or len(self._in_flight) >= self._window:
+                if self._in_flight:
+                    self._on_idle()
                 self._retire_oldest()
             if ready is not None:
                 self._launch(*ready)

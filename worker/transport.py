@@ -7,6 +7,8 @@ length-prefixed JSON header, then the raw bytes of every piece in order.
 
     put:  header {"op": "put", "key": K, "pieces": [meta...]} + bytes  ->  {"ok": true}
     get:  header {"op": "get", "key": K}  ->  {"pieces": [meta...]} + bytes  (or {"error"})
+    control: header {"op": "control", ...}  ->  the connection becomes the worker's
+             control channel (channel.py)
 
 where meta is {"index": [[start, stop], ...], "shape": [...], "dtype": name}.
 """
@@ -115,13 +117,18 @@ def get(address: str, key: str) -> Pieces:
 
 
 class DataServer:
-    """The worker's end: accepts puts into `on_put(key, pieces, started_us)` and serves
-    gets from `on_get(key)`."""
+    """The worker's end: accepts puts into `on_put(key, pieces, started_us)`, serves gets
+    from `on_get(key)`, and hands a control connection to `on_control(conn, hello,
+    reply)` for as long as it lasts."""
 
     def __init__(self, host: str, on_put: Callable[[str, Pieces, int], None],
-                 on_get: Callable[[str], Pieces]) -> None:
+                 on_get: Callable[[str], Pieces],
+                 on_control: Callable[[socket.socket, dict[str, Any],
+                                       Callable[[dict[str, Any]], None]], None] | None = None
+                 ) -> None:
         self._on_put = on_put
         self._on_get = on_get
+        self._on_control = on_control
         self._sock = socket.create_server((host, 0), backlog=64)
         self.address = f"{host}:{self._sock.getsockname()[1]}"
         self._closed = False
@@ -157,6 +164,8 @@ class DataServer:
                         return
                     _send(conn, {"pieces": [_meta(i, a) for i, a in pieces]},
                           [a for _, a in pieces])
+                elif header.get("op") == "control" and self._on_control is not None:
+                    self._on_control(conn, header, lambda reply: _send(conn, reply))
                 else:
                     _send(conn, {"error": f"unknown request {header.get('op')!r}"})
             except (OSError, ValueError, KeyError) as exc:

@@ -26,7 +26,7 @@ def delete(seq):
 
 class FakeWorkers:
     """The dispatcher's transport: `send` records batches; each op completes on its
-    worker (in order) unless held back; `poll` long-polls for completions."""
+    worker (in order) unless held back; `poll` waits for the next completions."""
 
     def __init__(self, num_workers, *, errors=None, send_raises=None, poll_raises=None,
                  hold=False):
@@ -37,6 +37,7 @@ class FakeWorkers:
         self.completed = {w: [] for w in range(num_workers)}
         self.queued = {w: [] for w in range(num_workers)}
         self.hold = hold
+        self.cursors = {w: 0 for w in range(num_workers)}
         self.changed = asyncio.Event()
 
     async def send(self, worker, ops):
@@ -58,12 +59,13 @@ class FakeWorkers:
         del self.queued[worker][:count]
         self.changed.set()
 
-    async def poll(self, worker, cursor):
+    async def poll(self, worker):
         while True:
             if self.poll_raises is not None:
                 raise self.poll_raises
-            ready = self.completed[worker][cursor:]
+            ready = self.completed[worker][self.cursors[worker]:]
             if ready:
+                self.cursors[worker] += len(ready)
                 return ready
             self.changed.clear()
             await self.changed.wait()

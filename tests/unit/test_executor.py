@@ -1,6 +1,7 @@
 """InOrderExecutor: strict sequence order, a bounded in-flight window, failures reported per op."""
 
 import threading
+import time
 
 import pytest
 
@@ -175,6 +176,27 @@ def test_launching_beyond_the_window_waits_for_the_oldest_op(start):
     device.open(3)
     assert third.result(timeout=TIMEOUT).error is None
     assert device.most_running == 2
+
+
+def test_on_idle_runs_before_every_wait_and_after_each_run_of_completions(start):
+    events = []
+    device = FakeDevice(gated=True)
+    executor = start(device, window=2, on_done=lambda o, s, f, r: events.append(r.seq),
+                     on_idle=lambda: events.append("idle"))
+    first, second = executor.submit([op(1), op(2)])
+    device.wait_launched(2)
+    device.open_all()
+    first.result(timeout=TIMEOUT)
+    second.result(timeout=TIMEOUT)
+    deadline = time.monotonic() + TIMEOUT
+    while events[-1] != "idle" and time.monotonic() < deadline:
+        time.sleep(0.001)
+    # Every completion is followed by an idle call before the executor waits again, so
+    # nothing reported sits unsent while the executor sleeps.
+    completions = [i for i, e in enumerate(events) if e != "idle"]
+    assert [events[i] for i in completions] == [1, 2]
+    assert events[-1] == "idle"
+    assert all("idle" in events[i:] for i in completions)
 
 
 def test_apply_raising_fails_that_op_and_calls_on_failure(start):

@@ -1,0 +1,225 @@
+"""The control channel between the controller and one worker: operations in, completions
+out, over one TCP connection that lives as long as the gang.
+
+Every step of a training job, and every call a client makes, is an operation to each
+worker and a completion back. As Ray actor calls those cost about a millisecond of CPU
+each on both sides, and on a busy host that CPU comes out of the programs' own time.
+Here an operation batch is one pickled frame, and completions are pushed as they happen
+(whatever completed since the last frame goes out when the worker's executor is about to
+wait, so operations that complete back to back travel together): no polling, no per-call bookkeeping.
+
+The connection is opened by the controller to the worker's data port (transport.py), with
+a JSON hello carrying the gang's secret token and epoch; the worker unpickles nothing from
+a peer that has not shown the token it was created with (Ray hands it over). After that:
+
+    controller -> worker   ("submit", [op, ...])
+    worker -> controller   ("ready", None) once, then ("done", [OpResult, ...]) as
+                           operations complete, or ("error", message) when a batch is
+                           refused (a reused sequence number: a controller bug)
+
+A worker that dies closes the connection, and the controller's next `receive` says so.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import logging
+import pickle
+import socket
+import struct
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from worker.ops import Op, OpResult
+
+log = logging.getLogger(__name__)
+
+_LENGTH = struct.Struct("!Q")
+# Completions queued on a worker that are sent without waiting for a flush.
+FLUSH_AT = 64
+
+
+class ChannelError(ConnectionError):
+    """The control channel broke: the worker went away, or refused what it was sent."""
+
+
+def _frame(message: Any) -> bytes:
+    body = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+    return _LENGTH.pack(len(body)) + body
+
+
+def _recv_exact(sock: socket.socket, n: int) -> bytes:
+    data = bytearray(n)
+    view = memoryview(data)
+    while view.nbytes:
+        got = sock.recv_into(view)
+        if got == 0:
+            raise EOFError("the controller closed the control channel")
+        view = view[got:]
+    return bytes(data)
+
+
+class WorkerEnd:
+    """The worker's end: hands each received batch to `submit`, and sends back what
+    `completed` is told about."""
+
+    def __init__(self, token: str, epoch: int, submit: Callable[[list[Op]], Any]) -> None:
+        self._token = token
+        self._epoch = epoch
+        self._submit = submit
+        self._done: list[OpResult] = []
+        self._cond = threading.Condition()
+        self._conn: socket.socket | None = None
+        self._send_lock = threading.Lock()
+
+    def completed(self, result: OpResult) -> None:
+        """Queues a completion for the controller; it goes out on the next `flush`, or
+        at once when many are waiting."""
+        with self._cond:
+            self._done.append(result)
+            if len(self._done) >= FLUSH_AT:
+                self._cond.notify()
+
+    def flush(self) -> None:
+        """Sends the queued completions now (the executor calls this before it waits,
+        so a run of operations that complete back to back costs one frame)."""
+        with self._cond:
+            if self._done:
+                self._cond.notify()
+
+    def serve(self, conn: socket.socket, hello: dict[str, Any],
+              reply: Callable[[dict[str, Any]], None]) -> None:
+        """Runs one controller connection (on the data server's thread for it) until it
+        closes. `reply` answers the hello with a JSON refusal."""
+        if not hmac.compare_digest(str(hello.get("token", "")).encode(), self._token.encode()):
+            reply({"error": "wrong or missing token: only this gang's controller may "
+                            "send it operations"})
+            return
+        if hello.get("epoch") != self._epoch:
+            reply({"error": f"stale epoch {hello.get('epoch')} (this worker is at "
+                            f"{self._epoch})"})
+            return
+        with self._cond:
+            if self._conn is not None:
+                reply({"error": "this worker already has a controller connected"})
+                return
+            self._conn = conn
+        sender = threading.Thread(target=self._send_completions, args=(conn,),
+                                  name="control-sender", daemon=True)
+        try:
+            self._send(conn, ("ready", None))
+            sender.start()
+            while True:
+                (length,) = _LENGTH.unpack(_recv_exact(conn, _LENGTH.size))
+                kind, payload = pickle.loads(_recv_exact(conn, length))
+                if kind != "submit":
+                    raise ValueError(f"unknown control message {kind!r}")
+                try:
+                    self._submit(payload)
+                except Exception as exc:  # noqa: BLE001 - the controller decides what now
+                    self._send(conn, ("error", f"{type(exc).__name__}: {exc}"))
+        except (OSError, EOFError, ValueError, pickle.UnpicklingError) as exc:
+            log.info("control channel closed: %s", exc)
+        finally:
+            with self._cond:
+                self._conn = None
+                self._cond.notify_all()
+            if sender.is_alive():
+                sender.join(timeout=5)
+
+    def _send(self, conn: socket.socket, message: Any) -> None:
+        data = _frame(message)
+        with self._send_lock:
+            conn.sendall(data)
+
+    def _send_completions(self, conn: socket.socket) -> None:
+        while True:
+            with self._cond:
+                while not self._done and self._conn is conn:
+                    self._cond.wait()
+                if self._conn is not conn:
+                    return
+                batch, self._done = self._done, []
+            try:
+                self._send(conn, ("done", batch))
+            except OSError as exc:
+                log.info("control channel: sending completions failed: %s", exc)
+                with contextlib.suppress(OSError):
+                    conn.shutdown(socket.SHUT_RDWR)
+                return
+
+
+class ControllerEnd:
+    """The controller's end (asyncio): `send` operation batches, `receive` completions."""
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                 name: str) -> None:
+        self._reader = reader
+        self._writer = writer
+        self._name = name
+
+    @classmethod
+    async def connect(cls, address: str, token: str, epoch: int, name: str) -> ControllerEnd:
+        """Opens the channel to the worker at `address` (`name` says which, in errors).
+
+        Raises:
+            ChannelError: the worker cannot be reached or refused the connection.
+        """
+        import json
+
+        host, port = address.rsplit(":", 1)
+        try:
+            reader, writer = await asyncio.open_connection(host, int(port))
+        except OSError as exc:
+            raise ChannelError(f"cannot reach {name} at {address}: {exc}") from exc
+        sock = writer.get_extra_info("socket")
+        if sock is not None:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        hello = json.dumps({"op": "control", "token": token, "epoch": epoch}).encode()
+        writer.write(_LENGTH.pack(len(hello)) + hello)
+        channel = cls(reader, writer, name)
+        kind, payload = await channel._read()
+        if kind != "ready":
+            channel.close()
+            raise ChannelError(f"{name} refused the control channel: {payload}")
+        return channel
+
+    async def send(self, ops: list[Op]) -> None:
+        """Sends a batch; returns once it is on its way (TCP keeps the order)."""
+        try:
+            self._writer.write(_frame(("submit", ops)))
+            await self._writer.drain()
+        except (OSError, RuntimeError) as exc:
+            raise ChannelError(f"sending to {self._name} failed: {exc}") from exc
+
+    async def receive(self) -> list[OpResult]:
+        """The next completions, in the order they completed (not sequence order: an
+        upload completes at once while earlier programs may still run).
+
+        Raises:
+            ChannelError: the worker went away, or refused a batch.
+        """
+        kind, payload = await self._read()
+        if kind == "done":
+            return payload
+        raise ChannelError(f"{self._name} refused operations: {payload}")
+
+    async def _read(self) -> tuple[str, Any]:
+        import json
+
+        try:
+            (length,) = _LENGTH.unpack(await self._reader.readexactly(_LENGTH.size))
+            body = await self._reader.readexactly(length)
+        except (asyncio.IncompleteReadError, OSError) as exc:
+            raise ChannelError(f"{self._name} closed its control channel (the worker "
+                               "process died or was killed)") from exc
+        if body[:1] == b"{":  # a JSON refusal of the hello
+            return "error", json.loads(body).get("error", "refused")
+        return pickle.loads(body)
+
+    def close(self) -> None:
+        with contextlib.suppress(Exception):
+            self._writer.close()
