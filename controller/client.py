@@ -101,14 +101,18 @@ class Client:
 
     # -- training jobs ------------------------------------------------------------------
 
-    def submit_job(self, program: str, *, slices: int, slice_type: str, steps: int,
+    def submit_job(self, program: str, *, steps: int, slices: int = 0, slice_type: str = "",
                    overrides: Mapping[str, str] | None = None,
                    dcn: Mapping[str, int] | None = None,
-                   ici: Mapping[str, int] | None = None) -> pb.JobInfo:
-        """Submits a training job of an installed program; returns at once (it queues)."""
+                   ici: Mapping[str, int] | None = None,
+                   gang: Gang | None = None) -> pb.JobInfo:
+        """Submits a training job of an installed program; returns at once (it queues).
+        It runs on `slices` slices of `slice_type` allocated for it, or on `gang`, one
+        this client holds (which stays held when the job ends)."""
         request = pb.SubmitJobRequest(
             program=program, num_slices=slices, slice_type=slice_type, steps=steps,
-            overrides={k: str(v) for k, v in (overrides or {}).items()}, client=self.name)
+            overrides={k: str(v) for k, v in (overrides or {}).items()}, client=self.name,
+            gang_id=gang.id if gang is not None else "")
         if dcn or ici:
             request.mesh.CopyFrom(wire.mesh_to_pb(MeshSpec.build(dcn, ici)))
         return _call(self.stub.SubmitJob, request, timeout=60)

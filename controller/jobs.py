@@ -37,7 +37,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 # Steps queued on the gang beyond the last step whose metrics have been read.
-STEPS_AHEAD = 2
+STEPS_AHEAD = 4
 # Mesh axis names and the parallelism they carry.
 DATA_AXIS, FSDP_AXIS, TENSOR_AXIS = "data", "fsdp", "tensor"
 
@@ -86,6 +86,8 @@ class JobSpec:
     # The training mesh as (axis, dcn ways, ici ways); empty for the default.
     mesh: tuple[tuple[str, int, int], ...] = ()
     client: str = ""
+    # A gang the submitter holds, to run on instead of allocating one (kept afterwards).
+    gang_id: str = ""
 
     def __post_init__(self) -> None:
         if self.steps < 1:
@@ -113,7 +115,7 @@ class JobSpec:
         return {"program": self.program, "num_slices": self.num_slices,
                 "slice_type": self.slice_type, "steps": self.steps,
                 "overrides": dict(self.overrides), "mesh": [list(a) for a in self.mesh],
-                "client": self.client}
+                "client": self.client, "gang_id": self.gang_id}
 
 
 @dataclass
@@ -189,6 +191,8 @@ class JobRunner:
         program = get_program(spec.program)
         program.make_config(dict(spec.overrides))
         lookup_slice_type(spec.slice_type)
+        if spec.gang_id:
+            self._check_gang_free(spec.gang_id)
         job = Job(f"j{self._next}", spec)
         self._next += 1
         self.jobs[job.job_id] = job
@@ -198,6 +202,18 @@ class JobRunner:
         log.info("job %s submitted: %s on %d x %s for %d steps", job.job_id, spec.program,
                  spec.num_slices, spec.slice_type, spec.steps)
         return job
+
+    def _check_gang_free(self, gang_id: str) -> None:
+        gang = self.controller.manager.get(gang_id)
+        if gang.shared_name or "@" in gang_id:
+            raise InvalidRequestError(
+                f"gang {gang_id} is shared; a job runs on a gang of its own (allocate one, or "
+                "let the job allocate it)")
+        for other in self.jobs.values():
+            if not other.state.terminal and gang.gang_id in (other.gang_id, other.spec.gang_id):
+                raise FailedPreconditionError(
+                    f"gang {gang_id} is already running job {other.job_id}; wait for it or "
+                    f"cancel it (`slicewise cancel {other.job_id}`)")
 
     def get(self, job_id: str) -> Job:
         job = self.jobs.get(job_id)
@@ -262,9 +278,13 @@ class JobRunner:
     async def _run(self, job: Job) -> None:
         set_log_context(job=job.job_id)
         gang = None
+        owned = not job.spec.gang_id  # a gang the job allocated is released with it
         try:
-            gang, _ = await self.controller.allocate(
-                job.spec.num_slices, job.spec.slice_type, client=f"job {job.job_id}")
+            if owned:
+                gang, _ = await self.controller.allocate(
+                    job.spec.num_slices, job.spec.slice_type, client=f"job {job.job_id}")
+            else:
+                gang = self.controller.manager.get(job.spec.gang_id)
             job.gang_id = gang.gang_id
             set_log_context(gang=gang.gang_id)
             self._move(job, JobState.ADMITTED, f"gang {gang.gang_id}: {', '.join(s.name for s in gang.slices)}")
@@ -280,7 +300,7 @@ class JobRunner:
             if not job.state.terminal:
                 self._move(job, JobState.FAILED, job.error)
         finally:
-            if gang is not None and gang.gang_id in self.controller.gangs:
+            if owned and gang is not None and gang.gang_id in self.controller.gangs:
                 await self.controller.release(gang.gang_id, why=f"was released by job "
                                                                 f"{job.job_id} ({job.state.value})")
 
@@ -393,4 +413,5 @@ def _export(make_fns: Any, program: Any, config: Any, abstract: Any, axes: Any,
 def _spec_from_json(data: Mapping[str, Any]) -> JobSpec:
     return JobSpec(data["program"], data["num_slices"], data["slice_type"], data["steps"],
                    tuple(sorted(data["overrides"].items())),
-                   tuple(tuple(a) for a in data["mesh"]), data.get("client", ""))
+                   tuple(tuple(a) for a in data["mesh"]), data.get("client", ""),
+                   data.get("gang_id", ""))

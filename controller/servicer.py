@@ -311,12 +311,16 @@ class ControllerServicer(pb_grpc.ControllerServicer):
 
     @_unary
     async def SubmitJob(self, request: pb.SubmitJobRequest, context: Any) -> pb.JobInfo:
+        num_slices, slice_type = request.num_slices, request.slice_type
+        if request.gang_id:
+            gang = self.controller.manager.get(request.gang_id)
+            num_slices, slice_type = gang.shape.num_slices, gang.slice_type.name
         spec = JobSpec(
-            program=request.program, num_slices=request.num_slices,
-            slice_type=request.slice_type, steps=request.steps,
+            program=request.program, num_slices=num_slices,
+            slice_type=slice_type, steps=request.steps,
             overrides=tuple(sorted(request.overrides.items())),
             mesh=tuple((a.name, a.dcn, a.ici) for a in request.mesh.axes),
-            client=request.client or (context.peer() or ""))
+            client=request.client or (context.peer() or ""), gang_id=request.gang_id)
         return wire.job_to_pb(self.jobs.submit(spec))
 
     @_unary

@@ -136,3 +136,23 @@ def test_detach_kill_the_client_rewatch_then_cancel_frees_the_gang(client, contr
         time.sleep(0.5)
     assert wait_for(client, short_id).state == pb.JOB_STATE_SUCCEEDED
     assert all(s.holder_gang != gang_id for s in client.cluster_info().slices)
+
+
+def test_a_job_on_a_gang_the_client_holds_leaves_it_held(client):
+    from controller.errors import FailedPreconditionError, InvalidRequestError
+
+    with client.allocate(slices=1, slice_type="v5litepod-4", timeout=300) as gang:
+        job = client.submit_job("lm", steps=3, overrides=SMALL, gang=gang)
+        with pytest.raises(FailedPreconditionError, match=f"already running job {job.job_id}"):
+            client.submit_job("lm", steps=3, overrides=SMALL, gang=gang)
+        done = wait_for(client, job.job_id)
+        assert done.state == pb.JOB_STATE_SUCCEEDED, done.error
+        assert done.gang_id == gang.id and done.num_slices == 1
+        assert done.slice_type == "v5litepod-4"
+        # Still held, and still usable by its owner.
+        assert any(g.gang_id == gang.id for g in client.cluster_info().gangs)
+        x = gang.put(np.arange(4, dtype=np.float32), gang.mesh(dcn={"s": 1}, ici={"c": 4})
+                     .sharding(None))
+        np.testing.assert_array_equal(x.fetch(), np.arange(4, dtype=np.float32))
+    with pytest.raises((FailedPreconditionError, InvalidRequestError), match="released"):
+        client.submit_job("lm", steps=3, overrides=SMALL, gang=gang)
