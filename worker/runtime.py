@@ -306,11 +306,11 @@ class JaxRuntime:
         started = time.perf_counter()
         for step in range(first_step, first_step + n):
             batch = self.build_batch(program_name, overrides, step, batch_sharding)
+            if len(in_flight) >= window:  # as the executor: at most `window` launched
+                np.asarray(in_flight.popleft().addressable_shards[0].data)
             outputs = self._call(program, [*state, *batch])
             state = outputs[:len(state)]
             in_flight.append(outputs[len(state)])
-            if len(in_flight) > window:
-                np.asarray(in_flight.popleft().addressable_shards[0].data)
         while in_flight:
             np.asarray(in_flight.popleft().addressable_shards[0].data)
         return time.perf_counter() - started
