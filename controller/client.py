@@ -72,6 +72,7 @@ class Client:
         self.address = address
         self.name = name
         self._channel = grpc.insecure_channel(address)
+        self.closed = False
         try:
             grpc.channel_ready_future(self._channel).result(timeout=timeout)
         except grpc.FutureTimeoutError:
@@ -131,10 +132,7 @@ class Client:
 
     def watch_job(self, job_id: str) -> Iterator[pb.JobEvent]:
         """The job's snapshot, then its steps and state changes until it ends."""
-        try:
-            yield from self.stub.WatchJob(pb.WatchJobRequest(job_id=job_id))
-        except grpc.RpcError as err:
-            _raise_from(err)
+        yield from self._stream(self.stub.WatchJob(pb.WatchJobRequest(job_id=job_id)))
 
     def allocate(self, slices: int, slice_type: str, *, timeout: float = 600.0,
                  priority: int = 0, max_wait: float | None = None,
@@ -156,7 +154,18 @@ class Client:
         return Gang(self, info)
 
     def close(self) -> None:
+        self.closed = True
         self._channel.close()
+
+    def _stream(self, responses: Iterator[Any]) -> Iterator[Any]:
+        """A server stream's messages; it ends quietly when this client is closed (a
+        watcher thread may outlive the `with` block)."""
+        try:
+            yield from responses
+        except grpc.RpcError as err:
+            if self.closed and err.code() is grpc.StatusCode.CANCELLED:
+                return
+            _raise_from(err)
 
     def __enter__(self) -> Client:
         return self
@@ -362,10 +371,8 @@ class Gang:
     def events(self) -> Iterator[pb.GangEvent]:
         """What happens to the gang: "preempt" (with `grace_s` to save state and release),
         "preempted", "resumed", "failed", "released". Blocks between events."""
-        try:
-            yield from self.client.stub.WatchGang(pb.WatchGangRequest(gang_id=self.id))
-        except grpc.RpcError as err:
-            _raise_from(err)
+        yield from self.client._stream(
+            self.client.stub.WatchGang(pb.WatchGangRequest(gang_id=self.id)))
 
     def __enter__(self) -> Gang:
         return self

@@ -3,11 +3,12 @@ worker of the gang, and settles each one when all workers report it complete.
 
 Clients get their answer as soon as an operation is queued (asynchronous dispatch).
 Delivery and completion travel separately: `send` puts a batch on its way to a worker,
-and one reader per worker (`poll`) takes completions as the worker pushes them. So the pipeline to a worker stays full however long its
-programs run, and the bound on it is explicit: at most `max_in_flight` operations numbered
-but not completed (the back-pressure the workers' bounded executors exert). Operations get
-their sequence number only when there is room: until then they wait in per-client queues
-(fairqueue.py), which is where the clients of a shared gang are interleaved by weight.
+and one reader per worker (`poll`) takes completions as the worker pushes them. So the
+pipeline to a worker stays full however long its programs run, and the bound on it is
+explicit: at most `max_in_flight` operations numbered but not completed (the
+back-pressure the workers' bounded executors exert). Operations get their sequence
+number only when there is room: until then they wait in per-client queues (fairqueue.py),
+which is where the clients of a shared gang are interleaved by weight.
 
 The transport is injected, so this runs in unit tests without processes.
 """
@@ -28,7 +29,7 @@ from worker.ops import Op, OpResult
 
 log = logging.getLogger(__name__)
 
-# Hands a batch to worker `index`; returns once the worker has queued it.
+# Hands a batch to worker `index`; returns once it is on its way (in order).
 Send = Callable[[int, list[Op]], Awaitable[None]]
 # Worker `index`'s next completions, in the order they completed (which need not be
 # sequence order); waits for at least one.

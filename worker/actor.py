@@ -32,7 +32,7 @@ class HostWorker:
     """One host of a gang. Created by the controller with `ray.remote(HostWorker)`."""
 
     def __init__(self, gang_id: str, gang: GangShape, process_id: int, *,
-                 window: int = DEFAULT_WINDOW, token: str = "") -> None:
+                 token: str, window: int = DEFAULT_WINDOW) -> None:
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
         self.gang_id = gang_id
         self.process_id = process_id

@@ -67,6 +67,8 @@ class WorkerEnd:
     `completed` is told about."""
 
     def __init__(self, token: str, epoch: int, submit: Callable[[list[Op]], Any]) -> None:
+        if not token:
+            raise ValueError("a control channel needs a token")
         self._token = token
         self._epoch = epoch
         self._submit = submit

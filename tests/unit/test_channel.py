@@ -167,3 +167,8 @@ def test_operations_that_complete_back_to_back_come_back_in_one_frame(worker):
         return [r.seq for r in frame]
 
     assert run(scenario()) == list(range(1, 21))
+
+
+def test_a_worker_end_without_a_token_cannot_be_made():
+    with pytest.raises(ValueError, match="needs a token"):
+        WorkerEnd("", 1, lambda ops: None)
