@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
+import json
 import logging
 import pickle
 import socket
@@ -51,7 +52,7 @@ def _frame(message: Any) -> bytes:
     return _LENGTH.pack(len(body)) + body
 
 
-def _recv_exact(sock: socket.socket, n: int) -> bytes:
+def _recv_exact(sock: socket.socket, n: int) -> bytearray:
     data = bytearray(n)
     view = memoryview(data)
     while view.nbytes:
@@ -59,7 +60,7 @@ def _recv_exact(sock: socket.socket, n: int) -> bytes:
         if got == 0:
             raise EOFError("the controller closed the control channel")
         view = view[got:]
-    return bytes(data)
+    return data
 
 
 class WorkerEnd:
@@ -170,8 +171,6 @@ class ControllerEnd:
         Raises:
             ChannelError: the worker cannot be reached or refused the connection.
         """
-        import json
-
         host, port = address.rsplit(":", 1)
         try:
             reader, writer = await asyncio.open_connection(host, int(port))
@@ -210,8 +209,6 @@ class ControllerEnd:
         raise ChannelError(f"{self._name} refused operations: {payload}")
 
     async def _read(self) -> tuple[str, Any]:
-        import json
-
         try:
             (length,) = _LENGTH.unpack(await self._reader.readexactly(_LENGTH.size))
             body = await self._reader.readexactly(length)
