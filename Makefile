@@ -23,7 +23,7 @@ test: install
 	$(PY) -m pytest
 
 lint: install
-	$(VENV)/bin/ruff check controller worker programs benchmarks tests slicewise.py
+	$(VENV)/bin/ruff check controller worker programs benchmarks tests slicewise
 
 
 clean:

@@ -13,9 +13,9 @@ from typing import Any
 
 import numpy as np
 
-from controller.mesh import GangShape, MeshSpec, ShardingSpec
-from worker.env import HostPlacement, simulated_host_env
-from worker.ops import ExecOp, LoadOp, PutOp
+from controller.hostenv import HostPlacement, simulated_host_env
+from slicewise.common.mesh import GangShape, MeshSpec, ShardingSpec
+from slicewise.common.ops import ExecOp, LoadOp, PutOp
 
 
 def multi_controller_rate(gang: Any, program_id: str, handles: list[str], n: int,

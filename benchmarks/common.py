@@ -76,7 +76,7 @@ def write_result(name: str, result: dict[str, Any], plot: Callable[[dict, Path],
 @contextlib.contextmanager
 def sim_controller(spec: str, *extra: str) -> Iterator[Any]:
     """A controller on a simulated cluster, its log in a temp file (path printed)."""
-    from controller.launch import ControllerProcess
+    from slicewise.launch import ControllerProcess
 
     log_path = Path(tempfile.gettempdir()) / f"slicewise-bench-{os.getpid()}-{spec}.log"
     with open(log_path, "w") as log:

@@ -76,8 +76,8 @@ def _best(times: int, fn: Any) -> dict[str, float]:
 def run(quick: bool = False) -> dict[str, Any]:
     import slicewise
     from benchmarks.baselines import multi_controller_rate, plain_ray_rates
-    from controller.mesh import GangShape
     from programs.microbench import allreduce_add, fused_allreduce_add
+    from slicewise.common.mesh import GangShape
 
     n = 200 if quick else 1000
     reps = 1 if quick else 3

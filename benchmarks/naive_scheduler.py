@@ -26,7 +26,7 @@ from controller.scheduler import (
     Preempt,
     expiry_reason,
 )
-from controller.topology import SliceType
+from slicewise.common.topology import SliceType
 
 
 @dataclass(eq=False)

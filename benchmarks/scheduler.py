@@ -34,7 +34,7 @@ from controller.scheduler import (
     Preempt,
     Scheduler,
 )
-from controller.topology import SLICE_TYPES, slice_type
+from slicewise.common.topology import SLICE_TYPES, slice_type
 
 NUM_SLICES = 200
 SLICE = SLICE_TYPES["v5litepod-256"]

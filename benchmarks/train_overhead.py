@@ -48,10 +48,10 @@ class _MultiController:
         import jax
         import ray
 
-        from controller.client import Mesh
         from controller.jobs import JobSpec, _export
-        from controller.mesh import GangShape, ShardingSpec
         from programs.base import ParallelAxes, get_program, make_flat_train_fns
+        from slicewise.client import Mesh
+        from slicewise.common.mesh import GangShape, ShardingSpec
 
         spec = JobSpec("lm", gang.num_slices, SLICE_TYPE, 1, tuple(sorted(overrides.items())))
         mesh_spec = spec.mesh_for(GangShape(gang.num_slices, gang.hosts_per_slice,

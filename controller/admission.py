@@ -17,17 +17,17 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from controller.errors import (
+from controller.gang import Gang, GangState, SliceLostError
+from controller.inventory import Slice, slices_from_nodes
+from controller.scheduler import Admission, Expire, ForceRelease, GangRequest, Preempt, Scheduler
+from slicewise.common.errors import (
     DeadlineError,
     FailedPreconditionError,
     InvalidRequestError,
     NotFoundError,
 )
-from controller.gang import Gang, GangState, SliceLostError
-from controller.inventory import Slice, slices_from_nodes
-from controller.scheduler import Admission, Expire, ForceRelease, GangRequest, Preempt, Scheduler
-from controller.topology import slice_type
-from controller.trace import SpanRecorder
+from slicewise.common.topology import slice_type
+from slicewise.common.trace import SpanRecorder
 
 log = logging.getLogger(__name__)
 

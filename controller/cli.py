@@ -29,8 +29,8 @@ def _controller(args: argparse.Namespace) -> int:
 
 
 def _status(args: argparse.Namespace) -> int:
-    from controller.client import connect
     from controller.status import print_status
+    from slicewise.client import connect
 
     try:
         client = connect(args.controller, timeout=args.timeout)
@@ -45,8 +45,8 @@ def _status(args: argparse.Namespace) -> int:
 def _trace(args: argparse.Namespace) -> int:
     import json
 
-    from controller.client import connect
-    from controller.errors import SlicewiseError
+    from slicewise.client import connect
+    from slicewise.common.errors import SlicewiseError
 
     try:
         with connect(args.controller, timeout=10) as client:
@@ -62,7 +62,7 @@ def _trace(args: argparse.Namespace) -> int:
 
 
 def _connect(args: argparse.Namespace, command: str):  # noqa: ANN202
-    from controller.client import connect
+    from slicewise.client import connect
 
     try:
         return connect(args.controller, name=f"slicewise {command}", timeout=args.timeout)
@@ -85,9 +85,9 @@ def _pairs(items: list[str], what: str, convert=str) -> dict:  # noqa: ANN001
 
 
 def _follow_job(client, job_id: str, plain: bool | None) -> int:  # noqa: ANN001
-    from controller.errors import SlicewiseError
     from controller.jobview import follow, summary
     from protos import controller_pb2 as pb
+    from slicewise.common.errors import SlicewiseError
 
     try:
         job = follow(client.watch_job(job_id), plain=plain)
@@ -104,7 +104,7 @@ def _follow_job(client, job_id: str, plain: bool | None) -> int:  # noqa: ANN001
 
 
 def _train(args: argparse.Namespace) -> int:
-    from controller.errors import SlicewiseError
+    from slicewise.common.errors import SlicewiseError
 
     overrides = _pairs(args.set, "--set")
     dcn = _pairs(args.dcn, "--dcn", int)
@@ -131,8 +131,8 @@ def _watch(args: argparse.Namespace) -> int:
 
 
 def _cancel(args: argparse.Namespace) -> int:
-    from controller.errors import SlicewiseError
     from controller.jobview import state_name
+    from slicewise.common.errors import SlicewiseError
 
     with _connect(args, "cancel") as client:
         try:
@@ -147,8 +147,8 @@ def _cancel(args: argparse.Namespace) -> int:
 def _jobs(args: argparse.Namespace) -> int:
     import json
 
-    from controller.errors import SlicewiseError
     from controller.jobview import print_jobs, summary
+    from slicewise.common.errors import SlicewiseError
 
     with _connect(args, "jobs") as client:
         if not args.job:

@@ -21,9 +21,13 @@ import numpy as np
 
 from controller import metrics
 from controller.admission import GangManager
-from controller.arrays import ArrayRecord, ArraySpec, ArrayTable, dtype_of
+from controller.arrays import ArrayRecord, ArrayTable
 from controller.dispatch import Ticket
-from controller.errors import (
+from controller.gang import Gang, GangState
+from controller.programs import Program, ProgramRegistry, load_program, program_id_of
+from controller.scheduler import Scheduler
+from slicewise.common.arrays import ArraySpec, dtype_of
+from slicewise.common.errors import (
     DeadlineError,
     FailedPreconditionError,
     InvalidRequestError,
@@ -31,14 +35,11 @@ from controller.errors import (
     SlicewiseError,
     WorkerError,
 )
-from controller.gang import Gang, GangState
-from controller.mesh import MeshSpec, ShardingSpec
-from controller.programs import Program, ProgramRegistry, load_program, program_id_of
-from controller.scheduler import Scheduler
-from controller.trace import Span, SpanRecorder, chrome_trace
-from controller.trace import now_us as trace_now_us
-from worker import transport
-from worker.ops import BatchOp, DeleteOp, ExecOp, LoadOp, PinOp, PutOp
+from slicewise.common.framing import TransportError
+from slicewise.common.mesh import MeshSpec, ShardingSpec
+from slicewise.common.ops import BatchOp, DeleteOp, ExecOp, LoadOp, PinOp, PutOp
+from slicewise.common.trace import Span, SpanRecorder, chrome_trace
+from slicewise.common.trace import now_us as trace_now_us
 
 log = logging.getLogger(__name__)
 
@@ -292,7 +293,7 @@ class Controller:
             await gang.stage(key, array, [indices[p] for p in range(gang.shape.num_processes)])
             log.debug("put %s: sent to %d workers in %.3f s", spec, gang.shape.num_processes,
                       time.perf_counter() - started)
-        except transport.TransportError as exc:
+        except TransportError as exc:
             raise WorkerError(f"uploading to gang {gang.gang_id} failed: {exc}") from exc
         metrics.BYTES.labels("put").inc(spec.nbytes)
         self.spans.record("send pieces", "transfer", started_us(started), trace_now_us(),
@@ -339,7 +340,7 @@ class Controller:
             pinned = time.perf_counter()
             pieces = await asyncio.wait_for(gang.read(pin_id), timeout_s)
             read = time.perf_counter()
-        except transport.TransportError as exc:
+        except TransportError as exc:
             raise WorkerError(f"reading {handle} from gang {gang.gang_id} failed: {exc}") from exc
         except TimeoutError:
             await gang.drop_pin(pin_id)

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import numpy as np
 
-from controller.launch import controller_process
+from slicewise.launch import controller_process
 
 
 def run_demo(sim: str) -> int:

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from controller.fairqueue import FairQueue
-from worker.ops import Op, OpResult
+from slicewise.common.ops import Op, OpResult
 
 log = logging.getLogger(__name__)
 
@@ -140,7 +140,7 @@ class Dispatcher:
             try:
                 ticket.ops = ticket.build(ticket.seq)
             except Exception as exc:  # noqa: BLE001 - the seq is taken: fill it with nothing
-                from worker.ops import DeleteOp
+                from slicewise.common.ops import DeleteOp
 
                 ticket.ops = DeleteOp(ticket.seq, ())
                 ticket.error = f"{type(exc).__name__}: {exc}"

@@ -17,18 +17,18 @@ from typing import Any
 
 import numpy as np
 
-from controller import metrics
+from controller import datalink, metrics
+from controller.channel import ControllerEnd
 from controller.dispatch import Dispatcher, Ticket
-from controller.errors import WorkerError
+from controller.hostenv import HostPlacement, simulated_host_env, tpu_host_env
 from controller.inventory import Slice
-from controller.mesh import GangShape, Index
 from controller.simcluster import SLICE_NAME_LABEL, WORKER_ID_LABEL
-from controller.topology import SliceType
-from controller.trace import Span, SpanRecorder
-from worker import transport
-from worker.channel import ChannelError, ControllerEnd
-from worker.env import HostPlacement, simulated_host_env, tpu_host_env
-from worker.ops import Op, OpResult
+from slicewise.common.errors import WorkerError
+from slicewise.common.framing import ChannelError, Pieces
+from slicewise.common.mesh import GangShape, Index
+from slicewise.common.ops import Op, OpResult
+from slicewise.common.topology import SliceType
+from slicewise.common.trace import Span, SpanRecorder
 
 log = logging.getLogger(__name__)
 
@@ -321,16 +321,16 @@ class Gang:
         (each worker's thread cuts its own pieces, so copying overlaps sending)."""
 
         def send(address: str, mine: Sequence[Index]) -> None:
-            transport.put(address, key, [(i, np.asarray(array[i], order="C")) for i in mine])
+            datalink.put(address, key, [(i, np.asarray(array[i], order="C")) for i in mine])
 
         await asyncio.gather(*(
             asyncio.to_thread(send, address, mine)
             for address, mine in zip(self.data_addresses, indices, strict=True)))
 
-    async def read(self, pin_id: str) -> list[transport.Pieces]:
+    async def read(self, pin_id: str) -> list[Pieces]:
         """Every worker's distinct pieces of a pinned array."""
         return list(await asyncio.gather(*(
-            asyncio.to_thread(transport.get, address, pin_id) for address in self.data_addresses)))
+            asyncio.to_thread(datalink.get, address, pin_id) for address in self.data_addresses)))
 
     async def drop_pin(self, pin_id: str) -> None:
         await asyncio.gather(*(w.drop_pin.remote(pin_id) for w in self._workers),

@@ -11,14 +11,14 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from controller.errors import CapacityError, InvalidRequestError
 from controller.simcluster import (
     POD_TYPE_LABEL,
     SIMULATED_LABEL,
     SLICE_NAME_LABEL,
     WORKER_ID_LABEL,
 )
-from controller.topology import SLICE_TYPES, SliceType
+from slicewise.common.errors import CapacityError, InvalidRequestError
+from slicewise.common.topology import SLICE_TYPES, SliceType
 
 
 @dataclass(frozen=True)

@@ -24,12 +24,13 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from controller import metrics
-from controller.arrays import ArrayRecord, ArraySpec
-from controller.errors import FailedPreconditionError, InvalidRequestError, NotFoundError
+from controller.arrays import ArrayRecord
 from controller.journal import Journal, StepRecord
 from controller.logs import set_log_context
-from controller.mesh import GangShape, MeshAxis, MeshSpec, ShardingSpec
-from controller.topology import slice_type as lookup_slice_type
+from slicewise.common.arrays import ArraySpec
+from slicewise.common.errors import FailedPreconditionError, InvalidRequestError, NotFoundError
+from slicewise.common.mesh import GangShape, MeshAxis, MeshSpec, ShardingSpec
+from slicewise.common.topology import slice_type as lookup_slice_type
 
 if TYPE_CHECKING:
     from controller.core import Controller

@@ -7,9 +7,9 @@ import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from controller.arrays import ArraySpec
-from controller.errors import InvalidRequestError, NotFoundError, ProgramMismatchError
-from controller.mesh import GangShape, MeshSpec
+from slicewise.common.arrays import ArraySpec
+from slicewise.common.errors import InvalidRequestError, NotFoundError, ProgramMismatchError
+from slicewise.common.mesh import GangShape, MeshSpec
 
 
 @dataclass(frozen=True)

@@ -38,10 +38,10 @@ import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import KW_ONLY, dataclass, field
 
-from controller.errors import InvalidRequestError, NotFoundError
 from controller.inventory import Slice, check_can_ever_fit
 from controller.preemption import Candidate, cheapest_victims, victim_cost
-from controller.topology import SliceType
+from slicewise.common.errors import InvalidRequestError, NotFoundError
+from slicewise.common.topology import SliceType
 
 GRACE_S = 30.0
 BACKOFF_S = 5.0

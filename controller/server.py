@@ -38,7 +38,7 @@ class ServerConfig:
             raise ValueError("give exactly one of --sim SPEC (embedded simulation) or "
                              "--ray-address ADDR (an existing Ray cluster)")
         if self.sim:
-            from controller.topology import parse_sim_spec
+            from slicewise.common.topology import parse_sim_spec
 
             parse_sim_spec(self.sim)  # a bad spec fails here, before anything starts
 

@@ -16,9 +16,15 @@ from typing import Any
 import grpc
 import numpy as np
 
-from controller import metrics, wire
+from controller import messages, metrics
 from controller.core import VERSION, Controller
-from controller.errors import (
+from controller.gang import Gang, worker_name
+from controller.jobs import JobRunner, JobSpec
+from controller.logs import set_log_context
+from protos import controller_pb2 as pb
+from protos import controller_pb2_grpc as pb_grpc
+from slicewise import wire
+from slicewise.common.errors import (
     CapacityError,
     DeadlineError,
     FailedPreconditionError,
@@ -26,11 +32,6 @@ from controller.errors import (
     NotFoundError,
     WorkerError,
 )
-from controller.gang import Gang, worker_name
-from controller.jobs import JobRunner, JobSpec
-from controller.logs import set_log_context
-from protos import controller_pb2 as pb
-from protos import controller_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
 
@@ -248,13 +249,13 @@ class ControllerServicer(pb_grpc.ControllerServicer):
                 f"{len(target.buffer)}"
             )
         log.debug("PutArray received %d bytes in %.3f s", offset, time.perf_counter() - started)
-        return wire.array_to_pb(await self.controller.finish_put(target))
+        return messages.array_to_pb(await self.controller.finish_put(target))
 
     @_unary
     async def Execute(self, request: pb.ExecuteRequest, context: Any) -> pb.ExecuteResponse:
         seq, outputs = self.controller.execute(
             request.gang_id, request.program_id, list(request.inputs))
-        return pb.ExecuteResponse(outputs=[wire.array_to_pb(r) for r in outputs], sequence=seq)
+        return pb.ExecuteResponse(outputs=[messages.array_to_pb(r) for r in outputs], sequence=seq)
 
     @_unary
     async def ExecuteBatch(self, request: pb.ExecuteBatchRequest, context: Any
@@ -262,14 +263,14 @@ class ControllerServicer(pb_grpc.ControllerServicer):
         results = self.controller.execute_batch(
             request.gang_id, [(c.program_id, list(c.inputs)) for c in request.calls])
         return pb.ExecuteBatchResponse(results=[
-            pb.ExecuteResponse(outputs=[wire.array_to_pb(r) for r in outputs], sequence=seq)
+            pb.ExecuteResponse(outputs=[messages.array_to_pb(r) for r in outputs], sequence=seq)
             for seq, outputs in results])
 
     @_streaming
     async def FetchArray(self, request: pb.FetchArrayRequest, context: Any
                          ) -> AsyncIterator[pb.FetchChunk]:
         record, array = await self.controller.fetch(request.handle, request.timeout_s)
-        yield pb.FetchChunk(header=wire.array_to_pb(record))
+        yield pb.FetchChunk(header=messages.array_to_pb(record))
         for piece in wire.chunks(memoryview(array.reshape(-1).view(np.uint8))):
             yield pb.FetchChunk(data=bytes(piece))
 
@@ -277,7 +278,7 @@ class ControllerServicer(pb_grpc.ControllerServicer):
     async def WaitArrays(self, request: pb.WaitArraysRequest, context: Any
                          ) -> pb.WaitArraysResponse:
         records = await self.controller.wait(list(request.handles), request.timeout_s)
-        return pb.WaitArraysResponse(arrays=[wire.array_to_pb(r) for r in records])
+        return pb.WaitArraysResponse(arrays=[messages.array_to_pb(r) for r in records])
 
     @_unary
     async def DeleteArrays(self, request: pb.DeleteArraysRequest, context: Any
@@ -321,29 +322,29 @@ class ControllerServicer(pb_grpc.ControllerServicer):
             overrides=tuple(sorted(request.overrides.items())),
             mesh=tuple((a.name, a.dcn, a.ici) for a in request.mesh.axes),
             client=request.client or (context.peer() or ""), gang_id=request.gang_id)
-        return wire.job_to_pb(self.jobs.submit(spec))
+        return messages.job_to_pb(self.jobs.submit(spec))
 
     @_unary
     async def GetJob(self, request: pb.GetJobRequest, context: Any) -> pb.JobInfo:
-        return wire.job_to_pb(self.jobs.get(request.job_id))
+        return messages.job_to_pb(self.jobs.get(request.job_id))
 
     @_unary
     async def ListJobs(self, request: pb.ListJobsRequest, context: Any) -> pb.ListJobsResponse:
-        return pb.ListJobsResponse(jobs=[wire.job_to_pb(j) for j in self.jobs.jobs.values()])
+        return pb.ListJobsResponse(jobs=[messages.job_to_pb(j) for j in self.jobs.jobs.values()])
 
     @_unary
     async def CancelJob(self, request: pb.CancelJobRequest, context: Any) -> pb.JobInfo:
-        return wire.job_to_pb(self.jobs.cancel(request.job_id))
+        return messages.job_to_pb(self.jobs.cancel(request.job_id))
 
     @_streaming
     async def WatchJob(self, request: pb.WatchJobRequest, context: Any
                        ) -> AsyncIterator[pb.JobEvent]:
         async for event in self.jobs.watch(request.job_id):
-            yield pb.JobEvent(job=wire.job_to_pb(event["job"]), message=event["message"],
-                              steps=[wire.step_to_pb(r) for r in event["steps"]])
+            yield pb.JobEvent(job=messages.job_to_pb(event["job"]), message=event["message"],
+                              steps=[messages.step_to_pb(r) for r in event["steps"]])
 
     @_unary
     async def GetJobMetrics(self, request: pb.GetJobRequest, context: Any) -> pb.JobMetrics:
         job = self.jobs.get(request.job_id)
-        return pb.JobMetrics(job=wire.job_to_pb(job),
-                             steps=[wire.step_to_pb(r) for r in self.jobs.steps(job.job_id)])
+        return pb.JobMetrics(job=messages.job_to_pb(job),
+                             steps=[messages.step_to_pb(r) for r in self.jobs.steps(job.job_id)])

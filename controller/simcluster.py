@@ -21,7 +21,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from controller.topology import ACCELERATOR_TYPE, SliceType
+from slicewise.common.topology import ACCELERATOR_TYPE, SliceType
 
 log = logging.getLogger(__name__)
 
@@ -179,7 +179,7 @@ def _sweep_session(grace_s: float = 3.0) -> None:
 
 def _supervise(spec: str, host_store_mb: int, head_store_mb: int) -> int:
     """Runs in the supervisor process: start, report the address, wait, stop."""
-    from controller.topology import parse_sim_spec
+    from slicewise.common.topology import parse_sim_spec
 
     os.setsid()
     stop = threading.Event()

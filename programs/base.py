@@ -27,7 +27,7 @@ import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from controller.errors import InvalidRequestError
+from slicewise.common.errors import InvalidRequestError
 
 Params = Any
 Batch = dict[str, Any]

@@ -14,13 +14,14 @@ import socket
 import time
 from typing import Any
 
-from controller.mesh import GangShape
-from controller.trace import Span, SpanRecorder, now_us
+from slicewise.common.framing import Pieces
+from slicewise.common.mesh import GangShape
+from slicewise.common.ops import Op, OpResult
+from slicewise.common.trace import Span, SpanRecorder, now_us
 from worker.channel import WorkerEnd
 from worker.executor import InOrderExecutor
-from worker.ops import Op, OpResult
 from worker.runtime import JaxRuntime
-from worker.transport import DataServer, Pieces
+from worker.transport import DataServer
 
 log = logging.getLogger(__name__)
 

@@ -22,34 +22,22 @@ A worker that dies closes the connection, and the controller's next `receive` sa
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import hmac
-import json
 import logging
 import pickle
 import socket
-import struct
 import threading
 from collections.abc import Callable
 from typing import Any
 
-from worker.ops import Op, OpResult
+from slicewise.common.framing import LENGTH, frame
+from slicewise.common.ops import Op, OpResult
 
 log = logging.getLogger(__name__)
 
-_LENGTH = struct.Struct("!Q")
 # Completions queued on a worker that are sent without waiting for a flush.
 FLUSH_AT = 64
-
-
-class ChannelError(ConnectionError):
-    """The control channel broke: the worker went away, or refused what it was sent."""
-
-
-def _frame(message: Any) -> bytes:
-    body = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
-    return _LENGTH.pack(len(body)) + body
 
 
 def _recv_exact(sock: socket.socket, n: int) -> bytearray:
@@ -116,7 +104,7 @@ class WorkerEnd:
             self._send(conn, ("ready", None))
             sender.start()
             while True:
-                (length,) = _LENGTH.unpack(_recv_exact(conn, _LENGTH.size))
+                (length,) = LENGTH.unpack(_recv_exact(conn, LENGTH.size))
                 kind, payload = pickle.loads(_recv_exact(conn, length))
                 if kind != "submit":
                     raise ValueError(f"unknown control message {kind!r}")
@@ -134,7 +122,7 @@ class WorkerEnd:
                 sender.join(timeout=5)
 
     def _send(self, conn: socket.socket, message: Any) -> None:
-        data = _frame(message)
+        data = frame(message)
         with self._send_lock:
             conn.sendall(data)
 
@@ -153,72 +141,3 @@ class WorkerEnd:
                 with contextlib.suppress(OSError):
                     conn.shutdown(socket.SHUT_RDWR)
                 return
-
-
-class ControllerEnd:
-    """The controller's end (asyncio): `send` operation batches, `receive` completions."""
-
-    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
-                 name: str) -> None:
-        self._reader = reader
-        self._writer = writer
-        self._name = name
-
-    @classmethod
-    async def connect(cls, address: str, token: str, epoch: int, name: str) -> ControllerEnd:
-        """Opens the channel to the worker at `address` (`name` says which, in errors).
-
-        Raises:
-            ChannelError: the worker cannot be reached or refused the connection.
-        """
-        host, port = address.rsplit(":", 1)
-        try:
-            reader, writer = await asyncio.open_connection(host, int(port))
-        except OSError as exc:
-            raise ChannelError(f"cannot reach {name} at {address}: {exc}") from exc
-        sock = writer.get_extra_info("socket")
-        if sock is not None:
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        hello = json.dumps({"op": "control", "token": token, "epoch": epoch}).encode()
-        writer.write(_LENGTH.pack(len(hello)) + hello)
-        channel = cls(reader, writer, name)
-        kind, payload = await channel._read()
-        if kind != "ready":
-            channel.close()
-            raise ChannelError(f"{name} refused the control channel: {payload}")
-        return channel
-
-    async def send(self, ops: list[Op]) -> None:
-        """Sends a batch; returns once it is on its way (TCP keeps the order)."""
-        try:
-            self._writer.write(_frame(("submit", ops)))
-            await self._writer.drain()
-        except (OSError, RuntimeError) as exc:
-            raise ChannelError(f"sending to {self._name} failed: {exc}") from exc
-
-    async def receive(self) -> list[OpResult]:
-        """The next completions, in the order they completed (not sequence order: an
-        upload completes at once while earlier programs may still run).
-
-        Raises:
-            ChannelError: the worker went away, or refused a batch.
-        """
-        kind, payload = await self._read()
-        if kind == "done":
-            return payload
-        raise ChannelError(f"{self._name} refused operations: {payload}")
-
-    async def _read(self) -> tuple[str, Any]:
-        try:
-            (length,) = _LENGTH.unpack(await self._reader.readexactly(_LENGTH.size))
-            body = await self._reader.readexactly(length)
-        except (asyncio.IncompleteReadError, OSError) as exc:
-            raise ChannelError(f"{self._name} closed its control channel (the worker "
-                               "process died or was killed)") from exc
-        if body[:1] == b"{":  # a JSON refusal of the hello
-            return "error", json.loads(body).get("error", "refused")
-        return pickle.loads(body)
-
-    def close(self) -> None:
-        with contextlib.suppress(Exception):
-            self._writer.close()

@@ -20,7 +20,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from typing import Any, Protocol
 
-from worker.ops import Op, OpResult
+from slicewise.common.ops import Op, OpResult
 
 
 class Pending(Protocol):

@@ -11,9 +11,16 @@ from typing import Any
 
 import numpy as np
 
-from controller.mesh import GangShape, Index, MeshSpec, ShardingSpec, index_key, normalize_index
+from slicewise.common.mesh import (
+    GangShape,
+    Index,
+    MeshSpec,
+    ShardingSpec,
+    index_key,
+    normalize_index,
+)
+from slicewise.common.ops import BatchOp, DeleteOp, ExecOp, LoadOp, Op, PinOp, PutOp
 from worker.buffers import BufferTable
-from worker.ops import BatchOp, DeleteOp, ExecOp, LoadOp, Op, PinOp, PutOp
 
 log = logging.getLogger(__name__)
 

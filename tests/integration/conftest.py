@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 import slicewise
-from controller.launch import ControllerProcess
+from slicewise.launch import ControllerProcess
 
 # Two single-host slices for multislice work, one 4-host slice for multi-host work.
 SHARED_SIM = "2xv5litepod-4,v5litepod-16"

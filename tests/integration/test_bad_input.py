@@ -17,9 +17,9 @@ from jax.sharding import AbstractMesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import slicewise
-from controller import wire
-from controller.mesh import MeshSpec, ShardingSpec
 from protos import controller_pb2 as pb
+from slicewise import wire
+from slicewise.common.mesh import MeshSpec, ShardingSpec
 
 pytestmark = pytest.mark.integration
 

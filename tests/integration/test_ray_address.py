@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 
 import slicewise
-from controller.launch import stop_process
 from programs.demo import dcn_sum_matmul, dcn_sum_matmul_reference
+from slicewise.launch import stop_process
 from tests.integration.conftest import start_controller
 from tests.integration.test_shutdown import _alive
 

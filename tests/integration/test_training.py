@@ -139,7 +139,7 @@ def test_detach_kill_the_client_rewatch_then_cancel_frees_the_gang(client, contr
 
 
 def test_a_job_on_a_gang_the_client_holds_leaves_it_held(client):
-    from controller.errors import FailedPreconditionError, InvalidRequestError
+    from slicewise.common.errors import FailedPreconditionError, InvalidRequestError
 
     with client.allocate(slices=1, slice_type="v5litepod-4", timeout=300) as gang:
         job = client.submit_job("lm", steps=3, overrides=SMALL, gang=gang)

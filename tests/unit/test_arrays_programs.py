@@ -8,15 +8,16 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from controller.arrays import ArrayRecord, ArraySpec, ArrayState, ArrayTable, dtype_of
-from controller.errors import (
+from controller.arrays import ArrayRecord, ArrayState, ArrayTable
+from controller.programs import ProgramRegistry, load_program, program_id_of
+from slicewise.common.arrays import ArraySpec, dtype_of
+from slicewise.common.errors import (
     FailedPreconditionError,
     InvalidRequestError,
     NotFoundError,
     ProgramMismatchError,
 )
-from controller.mesh import GangShape, MeshSpec
-from controller.programs import ProgramRegistry, load_program, program_id_of
+from slicewise.common.mesh import GangShape, MeshSpec
 
 MESH = MeshSpec.build({"slice": 2}, {"data": 4})
 GANG = GangShape(num_slices=2, hosts_per_slice=1, chips_per_host=4)

@@ -6,9 +6,11 @@ import socket
 
 import pytest
 
-from worker.channel import ChannelError, ControllerEnd, WorkerEnd
+from controller.channel import ControllerEnd
+from slicewise.common.framing import ChannelError
+from slicewise.common.ops import DeleteOp
+from worker.channel import WorkerEnd
 from worker.executor import InOrderExecutor
-from worker.ops import DeleteOp
 from worker.transport import DataServer
 
 TIMEOUT = 10.0

@@ -6,7 +6,7 @@ import asyncio
 import pytest
 
 from controller.dispatch import Dispatcher, GangBrokenError
-from worker.ops import DeleteOp, OpResult
+from slicewise.common.ops import DeleteOp, OpResult
 
 TIMEOUT = 5.0
 

@@ -5,8 +5,8 @@ import time
 
 import pytest
 
+from slicewise.common.ops import DeleteOp, ExecOp
 from worker.executor import InOrderExecutor, SequenceError
-from worker.ops import DeleteOp, ExecOp
 
 TIMEOUT = 5.0  # the longest any test waits for something that should happen
 QUIET = 0.05  # how long a test watches for something that must not happen

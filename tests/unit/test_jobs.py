@@ -2,10 +2,10 @@
 
 import pytest
 
-from controller.errors import InvalidRequestError, ProgramMismatchError
 from controller.jobs import InvalidTransitionError, Job, JobRunner, JobSpec, JobState
 from controller.journal import Journal, StepRecord
-from controller.mesh import GangShape, MeshAxis
+from slicewise.common.errors import InvalidRequestError, ProgramMismatchError
+from slicewise.common.mesh import GangShape, MeshAxis
 
 
 def spec(**kw):

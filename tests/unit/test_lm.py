@@ -11,8 +11,6 @@ import pytest
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from controller.arrays import ArraySpec
-from controller.mesh import GangShape, MeshSpec, ShardingSpec
 from controller.programs import load_program
 from programs.base import (
     METRICS,
@@ -29,6 +27,8 @@ from programs.base import (
 )
 from programs.corpus import Corpus
 from programs.lm import PROGRAM, LMConfig
+from slicewise.common.arrays import ArraySpec
+from slicewise.common.mesh import GangShape, MeshSpec, ShardingSpec
 
 LM = PROGRAM
 SPEC = MeshSpec.build({"data": 2}, {"fsdp": 2, "tensor": 2})

@@ -11,7 +11,7 @@ from controller.logs import (
     log_context,
     set_log_context,
 )
-from controller.trace import SpanRecorder, chrome_trace
+from slicewise.common.trace import SpanRecorder, chrome_trace
 
 
 def _record(msg="hello"):

@@ -5,8 +5,8 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from controller.errors import InvalidRequestError, ProgramMismatchError
-from controller.mesh import GangShape, MeshAxis, MeshSpec, ShardingSpec, index_key
+from slicewise.common.errors import InvalidRequestError, ProgramMismatchError
+from slicewise.common.mesh import GangShape, MeshAxis, MeshSpec, ShardingSpec, index_key
 
 TWO_BY_FOUR = GangShape(num_slices=2, hosts_per_slice=1, chips_per_host=4)
 MULTI_HOST = GangShape(num_slices=2, hosts_per_slice=2, chips_per_host=2)

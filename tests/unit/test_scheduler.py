@@ -5,7 +5,6 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from controller.errors import CapacityError, InvalidRequestError, NotFoundError
 from controller.inventory import Host, Slice, check_can_ever_fit, slices_from_nodes
 from controller.preemption import Candidate, cheapest_victims
 from controller.scheduler import (
@@ -16,7 +15,8 @@ from controller.scheduler import (
     Preempt,
     Scheduler,
 )
-from controller.topology import SLICE_TYPES, slice_type
+from slicewise.common.errors import CapacityError, InvalidRequestError, NotFoundError
+from slicewise.common.topology import SLICE_TYPES, slice_type
 
 V8 = SLICE_TYPES["v5litepod-8"]
 V16 = SLICE_TYPES["v5litepod-16"]

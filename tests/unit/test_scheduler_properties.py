@@ -11,7 +11,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from benchmarks.naive_scheduler import NaiveScheduler
-from controller.errors import CapacityError
 from controller.inventory import Host, Slice
 from controller.preemption import Candidate, cheapest_victims, victim_cost
 from controller.scheduler import (
@@ -21,7 +20,8 @@ from controller.scheduler import (
     Preempt,
     Scheduler,
 )
-from controller.topology import SLICE_TYPES
+from slicewise.common.errors import CapacityError
+from slicewise.common.topology import SLICE_TYPES
 
 TYPES = [SLICE_TYPES["v5litepod-4"], SLICE_TYPES["v5litepod-8"], SLICE_TYPES["v5litepod-16"]]
 

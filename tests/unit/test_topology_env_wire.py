@@ -5,9 +5,14 @@ import numpy as np
 import pytest
 from ray.util.tpu import get_tpu_coordinator_env_vars
 
-from controller import wire
-from controller.arrays import ArrayRecord, ArraySpec
-from controller.errors import (
+from controller import messages
+from controller.arrays import ArrayRecord
+from controller.hostenv import HostPlacement, simulated_host_env, tpu_host_env
+from controller.servicer import status_code_for
+from protos import controller_pb2 as pb
+from slicewise import wire
+from slicewise.common.arrays import ArraySpec
+from slicewise.common.errors import (
     CapacityError,
     DeadlineError,
     FailedPreconditionError,
@@ -16,11 +21,8 @@ from controller.errors import (
     ProgramMismatchError,
     WorkerError,
 )
-from controller.mesh import MeshSpec, ShardingSpec
-from controller.servicer import status_code_for
-from controller.topology import SLICE_TYPES, parse_sim_spec, slice_type
-from protos import controller_pb2 as pb
-from worker.env import HostPlacement, simulated_host_env, tpu_host_env
+from slicewise.common.mesh import MeshSpec, ShardingSpec
+from slicewise.common.topology import SLICE_TYPES, parse_sim_spec, slice_type
 
 # -- topology --------------------------------------------------------------------------
 
@@ -146,9 +148,9 @@ def test_array_spec_from_protobuf_is_validated():
 
 def test_array_info_carries_state_and_error():
     record = ArrayRecord("g1/a1", "g1", ArraySpec((4,), "float32"))
-    assert wire.array_to_pb(record).state == pb.ARRAY_STATE_PENDING
+    assert messages.array_to_pb(record).state == pb.ARRAY_STATE_PENDING
     record.settle("worker 0 died")
-    info = through_the_wire(wire.array_to_pb(record))
+    info = through_the_wire(messages.array_to_pb(record))
     assert (info.handle, info.state, info.error) == ("g1/a1", pb.ARRAY_STATE_FAILED,
                                                       "worker 0 died")
     assert wire.spec_from_pb(info.spec) == record.spec

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from controller.errors import InvalidRequestError, ProgramMismatchError
+from slicewise.common.errors import InvalidRequestError, ProgramMismatchError
 
 if TYPE_CHECKING:
     from jax.sharding import AbstractMesh

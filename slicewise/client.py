@@ -8,7 +8,7 @@
         y = step(x)                             # returns at once
         print(y.fetch())
 
-Errors from the controller arrive as the exception classes of `controller.errors`
+Errors from the controller arrive as the exception classes of `slicewise.common.errors`
 (InvalidRequestError, NotFoundError, ...), each with the gRPC status as `.code`.
 """
 
@@ -21,9 +21,11 @@ from typing import Any, NamedTuple
 import grpc
 import numpy as np
 
-from controller import wire
-from controller.arrays import ArraySpec, dtype_of
-from controller.errors import (
+from protos import controller_pb2 as pb
+from protos import controller_pb2_grpc as pb_grpc
+from slicewise import wire
+from slicewise.common.arrays import ArraySpec, dtype_of
+from slicewise.common.errors import (
     CapacityError,
     DeadlineError,
     FailedPreconditionError,
@@ -32,9 +34,7 @@ from controller.errors import (
     SlicewiseError,
     WorkerError,
 )
-from controller.mesh import MeshSpec, ShardingSpec
-from protos import controller_pb2 as pb
-from protos import controller_pb2_grpc as pb_grpc
+from slicewise.common.mesh import MeshSpec, ShardingSpec
 
 _ERRORS: dict[grpc.StatusCode, type[SlicewiseError]] = {
     grpc.StatusCode.INVALID_ARGUMENT: InvalidRequestError,
@@ -238,7 +238,7 @@ class Gang:
         return mesh
 
     def _check(self, spec: MeshSpec) -> None:
-        from controller.mesh import GangShape
+        from slicewise.common.mesh import GangShape
 
         spec.check_fits(GangShape(self.num_slices, self.hosts_per_slice, self.chips_per_host))
 

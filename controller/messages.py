@@ -1,47 +1,17 @@
-"""Conversions between protobuf messages and the controller's own types, both ways.
-
-Client and servicer both use these, so the two ends cannot drift apart."""
+"""Protobuf messages for the controller's own records (arrays, steps, jobs); the shared
+vocabulary's conversions are in `slicewise.wire`."""
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from controller.arrays import ArrayRecord, ArraySpec, ArrayState
+from controller.arrays import ArrayRecord, ArrayState
 from controller.journal import StepRecord
-from controller.mesh import MeshAxis, MeshSpec, ShardingSpec
 from protos import controller_pb2 as pb
+from slicewise.wire import mesh_to_pb, spec_to_pb
 
 if TYPE_CHECKING:
     from controller.jobs import Job
-
-# Chunk size for array and program streams: well under gRPC's 4 MiB default limit.
-CHUNK_BYTES = 2 * 2**20
-
-
-def mesh_to_pb(mesh: MeshSpec) -> pb.MeshSpec:
-    return pb.MeshSpec(axes=[pb.MeshAxis(name=a.name, dcn=a.dcn, ici=a.ici) for a in mesh.axes])
-
-
-def mesh_from_pb(msg: pb.MeshSpec) -> MeshSpec:
-    return MeshSpec(tuple(MeshAxis(a.name, a.dcn, a.ici) for a in msg.axes))
-
-
-def sharding_to_pb(sharding: ShardingSpec) -> pb.ShardingSpec:
-    return pb.ShardingSpec(mesh=mesh_to_pb(sharding.mesh),
-                           dims=[pb.PartitionDim(axes=list(d)) for d in sharding.dims])
-
-
-def sharding_from_pb(msg: pb.ShardingSpec) -> ShardingSpec:
-    return ShardingSpec(mesh_from_pb(msg.mesh), tuple(tuple(d.axes) for d in msg.dims))
-
-
-def spec_to_pb(spec: ArraySpec) -> pb.ArraySpec:
-    return pb.ArraySpec(shape=list(spec.shape), dtype=spec.dtype)
-
-
-def spec_from_pb(msg: pb.ArraySpec) -> ArraySpec:
-    return ArraySpec.of(tuple(msg.shape), msg.dtype)
-
 
 _STATES = {
     ArrayState.PENDING: pb.ARRAY_STATE_PENDING,
@@ -53,13 +23,6 @@ _STATES = {
 def array_to_pb(record: ArrayRecord) -> pb.ArrayInfo:
     return pb.ArrayInfo(handle=record.handle, spec=spec_to_pb(record.spec),
                         state=_STATES[record.state], error=record.error)
-
-
-def chunks(data: memoryview, size: int = CHUNK_BYTES):
-    """Yields `data` in pieces of at most `size` bytes, without copying."""
-    data = data.cast("B") if data.format != "B" or data.ndim != 1 else data
-    for start in range(0, len(data), size):
-        yield data[start:start + size]
 
 
 def step_to_pb(record: StepRecord) -> pb.StepMetrics:

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from controller.mesh import MeshSpec, ShardingSpec
+from slicewise.common.mesh import MeshSpec, ShardingSpec
 
 
 @dataclass(frozen=True)

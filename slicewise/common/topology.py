@@ -9,7 +9,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from controller.errors import InvalidRequestError
+from slicewise.common.errors import InvalidRequestError
 
 ACCELERATOR_TYPE = "TPU-V5LITEPOD"
 

@@ -1,0 +1,83 @@
+"""The controller's end of a worker's control channel (asyncio): operation batches out,
+completions back. The protocol, and the worker's end, are described in worker/channel.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import pickle
+import socket
+from typing import Any
+
+from slicewise.common.framing import LENGTH, ChannelError, frame, hello
+from slicewise.common.ops import Op, OpResult
+
+
+class ControllerEnd:
+    """The controller's end (asyncio): `send` operation batches, `receive` completions."""
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                 name: str) -> None:
+        self._reader = reader
+        self._writer = writer
+        self._name = name
+
+    @classmethod
+    async def connect(cls, address: str, token: str, epoch: int, name: str) -> ControllerEnd:
+        """Opens the channel to the worker at `address` (`name` says which, in errors).
+
+        Raises:
+            ChannelError: the worker cannot be reached or refused the connection.
+        """
+        host, port = address.rsplit(":", 1)
+        try:
+            reader, writer = await asyncio.open_connection(host, int(port))
+        except OSError as exc:
+            raise ChannelError(f"cannot reach {name} at {address}: {exc}") from exc
+        sock = writer.get_extra_info("socket")
+        if sock is not None:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        writer.write(hello(token, epoch))
+        channel = cls(reader, writer, name)
+        kind, payload = await channel._read()
+        if kind != "ready":
+            channel.close()
+            raise ChannelError(f"{name} refused the control channel: {payload}")
+        return channel
+
+    async def send(self, ops: list[Op]) -> None:
+        """Sends a batch; returns once it is on its way (TCP keeps the order)."""
+        try:
+            self._writer.write(frame(("submit", ops)))
+            await self._writer.drain()
+        except (OSError, RuntimeError) as exc:
+            raise ChannelError(f"sending to {self._name} failed: {exc}") from exc
+
+    async def receive(self) -> list[OpResult]:
+        """The next completions, in the order they completed (not sequence order: an
+        upload completes at once while earlier programs may still run).
+
+        Raises:
+            ChannelError: the worker went away, or refused a batch.
+        """
+        kind, payload = await self._read()
+        if kind == "done":
+            return payload
+        raise ChannelError(f"{self._name} refused operations: {payload}")
+
+    async def _read(self) -> tuple[str, Any]:
+        try:
+            (length,) = LENGTH.unpack(await self._reader.readexactly(LENGTH.size))
+            body = await self._reader.readexactly(length)
+        except (asyncio.IncompleteReadError, OSError) as exc:
+            raise ChannelError(f"{self._name} closed its control channel (the worker "
+                               "process died or was killed)") from exc
+        if body[:1] == b"{":  # a JSON refusal of the hello
+            return "error", json.loads(body).get("error", "refused")
+        return pickle.loads(body)
+
+    def close(self) -> None:
+        with contextlib.suppress(Exception):
+            self._writer.close()
