@@ -18,14 +18,16 @@ from slicewise.common.mesh import GangShape, MeshSpec, ShardingSpec
 from slicewise.common.ops import ExecOp, LoadOp, PutOp
 
 
-def multi_controller_rate(gang: Any, program_id: str, handles: list[str], n: int,
-                          window: int = 3) -> float:
+def multi_controller_rate(
+    gang: Any, program_id: str, handles: list[str], n: int, window: int = 3
+) -> float:
     """Computations per second when every worker of `gang` loops on its own."""
     import ray
 
     actors = [ray.get_actor(w.actor_name, namespace="slicewise") for w in gang.stats().workers]
-    seconds = ray.get([a.bench_loop.remote(program_id, handles, n, window) for a in actors],
-                      timeout=600)
+    seconds = ray.get(
+        [a.bench_loop.remote(program_id, handles, n, window) for a in actors], timeout=600
+    )
     return n / max(seconds)
 
 
@@ -47,8 +49,9 @@ class PlainJaxActor:
             return f"127.0.0.1:{s.getsockname()[1]}"
 
     def initialize(self, coordinator: str, partition_index: int) -> None:
-        self.runtime.initialize(coordinator, partition_index=partition_index,
-                                bind_address=coordinator, timeout_s=120)
+        self.runtime.initialize(
+            coordinator, partition_index=partition_index, bind_address=coordinator, timeout_s=120
+        )
 
     def load(self, serialized: bytes, mesh: MeshSpec, x: np.ndarray, pspec: tuple) -> None:
         sharding = ShardingSpec.from_partition_spec(mesh, pspec)
@@ -63,8 +66,15 @@ class PlainJaxActor:
         self.runtime.apply(ExecOp(self._seq, "p", ("x",), ("x",))).wait()
 
 
-def plain_ray_rates(shape: GangShape, node_ids: list[str], serialized: bytes, mesh: MeshSpec,
-                    x: np.ndarray, pspec: tuple, n: int) -> dict[str, float]:
+def plain_ray_rates(
+    shape: GangShape,
+    node_ids: list[str],
+    serialized: bytes,
+    mesh: MeshSpec,
+    x: np.ndarray,
+    pspec: tuple,
+    n: int,
+) -> dict[str, float]:
     """Computations per second with a Ray driver calling plain actors: each call waited
     for ("waited"), and all calls submitted before waiting ("pipelined")."""
     import ray
@@ -73,16 +83,29 @@ def plain_ray_rates(shape: GangShape, node_ids: list[str], serialized: bytes, me
     remote_cls = ray.remote(PlainJaxActor)
     actors = []
     for p, node_id in enumerate(node_ids):
-        placement = HostPlacement(p // shape.hosts_per_slice, p % shape.hosts_per_slice,
-                                  shape.num_slices, shape.hosts_per_slice, shape.chips_per_host)
-        actors.append(remote_cls.options(
-            num_cpus=0, runtime_env={"env_vars": simulated_host_env(placement)},
-            scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
-        ).remote(shape, p))
+        placement = HostPlacement(
+            p // shape.hosts_per_slice,
+            p % shape.hosts_per_slice,
+            shape.num_slices,
+            shape.hosts_per_slice,
+            shape.chips_per_host,
+        )
+        actors.append(
+            remote_cls.options(
+                num_cpus=0,
+                runtime_env={"env_vars": simulated_host_env(placement)},
+                scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
+            ).remote(shape, p)
+        )
     try:
         coordinator = ray.get(actors[0].free_address.remote(), timeout=120)
-        ray.get([a.initialize.remote(coordinator, p // shape.hosts_per_slice)
-                 for p, a in enumerate(actors)], timeout=180)
+        ray.get(
+            [
+                a.initialize.remote(coordinator, p // shape.hosts_per_slice)
+                for p, a in enumerate(actors)
+            ],
+            timeout=180,
+        )
         ray.get([a.load.remote(serialized, mesh, x, pspec) for a in actors], timeout=120)
         ray.get([a.step.remote() for a in actors], timeout=120)  # compile outside the timing
 

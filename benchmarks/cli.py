@@ -20,8 +20,12 @@ BENCHMARKS = {
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="slicewise bench", description=__doc__)
-    parser.add_argument("names", nargs="*", metavar="NAME",
-                        help=f"benchmarks to run (default: all of {', '.join(BENCHMARKS)})")
+    parser.add_argument(
+        "names",
+        nargs="*",
+        metavar="NAME",
+        help=f"benchmarks to run (default: all of {', '.join(BENCHMARKS)})",
+    )
     parser.add_argument("--quick", action="store_true", help="fewer sizes and repeats")
     args = parser.parse_args(argv)
     unknown = [n for n in args.names if n not in BENCHMARKS]
@@ -43,8 +47,12 @@ def main(argv: list[str] | None = None) -> int:
         result["seconds"] = round(time.monotonic() - started, 1)
         json_path, png_path = write_result(name, result, getattr(module, "plot", None))
         print(module.report(result) if hasattr(module, "report") else "", flush=True)
-        print(f"   wrote {json_path}" + (f" and {png_path}" if png_path else "")
-              + f" in {result['seconds']} s", flush=True)
+        print(
+            f"   wrote {json_path}"
+            + (f" and {png_path}" if png_path else "")
+            + f" in {result['seconds']} s",
+            flush=True,
+        )
     return 1 if failed else 0
 
 

@@ -38,17 +38,28 @@ def machine() -> dict[str, Any]:
     for package in ("jax", "jaxlib", "ray", "grpcio", "protobuf", "numpy", "slicewise"):
         with contextlib.suppress(metadata.PackageNotFoundError):
             versions[package] = metadata.version(package)
-    return {"cpu": cpu, "cores": os.cpu_count(), "memory_gib": mem_gib,
-            "python": platform.python_version(), "os": platform.platform(),
-            "versions": versions, "date": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
+    return {
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "memory_gib": mem_gib,
+        "python": platform.python_version(),
+        "os": platform.platform(),
+        "versions": versions,
+        "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+    }
 
 
 def summarize(samples: Sequence[float]) -> dict[str, float]:
     """Median, min, max, p99 and count of a list of measurements."""
     ordered = sorted(samples)
     p99 = ordered[min(len(ordered) - 1, int(round(0.99 * (len(ordered) - 1))))]
-    return {"median": statistics.median(ordered), "min": ordered[0], "max": ordered[-1],
-            "p99": p99, "n": len(ordered)}
+    return {
+        "median": statistics.median(ordered),
+        "min": ordered[0],
+        "max": ordered[-1],
+        "p99": p99,
+        "n": len(ordered),
+    }
 
 
 def repeat(fn: Callable[[], float], times: int) -> dict[str, float]:
@@ -56,8 +67,12 @@ def repeat(fn: Callable[[], float], times: int) -> dict[str, float]:
     return summarize([fn() for _ in range(times)])
 
 
-def write_result(name: str, result: dict[str, Any], plot: Callable[[dict, Path], None] | None,
-                 out_dir: Path = RESULTS) -> tuple[Path, Path | None]:
+def write_result(
+    name: str,
+    result: dict[str, Any],
+    plot: Callable[[dict, Path], None] | None,
+    out_dir: Path = RESULTS,
+) -> tuple[Path, Path | None]:
     """Writes results/<name>.json (and <name>.png when a plot function is given)."""
     out_dir.mkdir(parents=True, exist_ok=True)
     result = {"benchmark": name, "machine": machine(), **result}
@@ -97,8 +112,7 @@ def attached_to_ray(client: Any) -> Iterator[None]:
     prepare_environment(address)
     import ray
 
-    ray.init(address=address, namespace="slicewise", log_to_driver=False,
-             logging_level="WARNING")
+    ray.init(address=address, namespace="slicewise", log_to_driver=False, logging_level="WARNING")
     try:
         yield
     finally:
@@ -133,8 +147,9 @@ class RawSocketSink:
     """A separate process that receives N bytes over loopback TCP and acknowledges."""
 
     def __init__(self) -> None:
-        self._proc = subprocess.Popen([sys.executable, "-c", _SOCKET_SERVER],
-                                      stdout=subprocess.PIPE, text=True)
+        self._proc = subprocess.Popen(
+            [sys.executable, "-c", _SOCKET_SERVER], stdout=subprocess.PIPE, text=True
+        )
         self.port = int(self._proc.stdout.readline())
 
     def send(self, payload: memoryview) -> float:

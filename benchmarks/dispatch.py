@@ -43,6 +43,7 @@ def _opbyop_async(program: Any, x: Any, n: int) -> float:
         for _ in range(n):
             y = program(y)
         y.block_until_ready()
+
     return _rate(n, run)
 
 
@@ -51,6 +52,7 @@ def _opbyop_waited(program: Any, x: Any, n: int) -> float:
         y = x
         for _ in range(n):
             y = program(y).block_until_ready()
+
     return _rate(n, run)
 
 
@@ -60,6 +62,7 @@ def _chained(program: Any, x: Any, batches: int) -> float:
         for _ in range(batches):
             y = program.chain(CHAIN, y)
         y.block_until_ready()
+
     return _rate(batches * CHAIN, run)
 
 
@@ -82,8 +85,16 @@ def run(quick: bool = False) -> dict[str, Any]:
     n = 200 if quick else 1000
     reps = 1 if quick else 3
     lengths = [0, 30, 300] if quick else [0, 3, 10, 30, 100, 300, 1000, 3000]
-    out: dict[str, Any] = {"config": {"sim": SIM, "chain": CHAIN, "calls": n, "repeats": reps,
-                                      "window": WINDOW, "quick": quick}}
+    out: dict[str, Any] = {
+        "config": {
+            "sim": SIM,
+            "chain": CHAIN,
+            "calls": n,
+            "repeats": reps,
+            "window": WINDOW,
+            "quick": quick,
+        }
+    }
     with sim_controller(SIM) as controller, slicewise.connect(controller.address) as client:
         gang = client.allocate(slices=2, slice_type="v5litepod-4", timeout=300)
         mesh = gang.mesh(dcn={"slice": 2}, ici={"chip": 4})
@@ -102,29 +113,58 @@ def run(quick: bool = False) -> dict[str, Any]:
         }
         with attached_to_ray(client):
             mc = _best(reps, lambda: multi_controller_rate(gang, step.id, [x.handle], n, WINDOW))
-            mc_fused = _best(reps, lambda: CHAIN * multi_controller_rate(
-                gang, fused.id, [x.handle], max(1, n // CHAIN), WINDOW))
+            mc_fused = _best(
+                reps,
+                lambda: (
+                    CHAIN
+                    * multi_controller_rate(gang, fused.id, [x.handle], max(1, n // CHAIN), WINDOW)
+                ),
+            )
             shape = GangShape(2, 1, 4)
-            nodes = [h.node_id for s in client.cluster_info().slices if s.name in gang.slices
-                     for h in s.hosts]
-            plain = plain_ray_rates(shape, nodes, step.exported.serialize(), mesh.spec,
-                                    np.zeros(8, np.float32), (AXES,), n // 2)
-            baselines = {"multi_controller": mc, "multi_controller_fused": mc_fused,
-                         "plain_ray_waited": plain["waited"],
-                         "plain_ray_pipelined": plain["pipelined"]}
+            nodes = [
+                h.node_id
+                for s in client.cluster_info().slices
+                if s.name in gang.slices
+                for h in s.hosts
+            ]
+            plain = plain_ray_rates(
+                shape,
+                nodes,
+                step.exported.serialize(),
+                mesh.spec,
+                np.zeros(8, np.float32),
+                (AXES,),
+                n // 2,
+            )
+            baselines = {
+                "multi_controller": mc,
+                "multi_controller_fused": mc_fused,
+                "plain_ray_waited": plain["waited"],
+                "plain_ray_pipelined": plain["pipelined"],
+            }
 
             sweep = []
             for iters in lengths:
-                program = gang.compile(allreduce_add(mesh.abstract, AXES, work_iters=iters), x,
-                                       name=f"allreduce_add_work{iters}")
+                program = gang.compile(
+                    allreduce_add(mesh.abstract, AXES, work_iters=iters),
+                    x,
+                    name=f"allreduce_add_work{iters}",
+                )
                 program(x).block_until_ready()
                 mc_rate = multi_controller_rate(gang, program.id, [x.handle], 20, WINDOW)
                 calls = int(min(n, max(20, 3.0 * mc_rate)))  # about 3 s per measurement
                 mc_rate = multi_controller_rate(gang, program.id, [x.handle], calls, WINDOW)
                 ours = _opbyop_async(program, x, calls)
-                sweep.append({"work_iters": iters, "length_ms": 1e3 / mc_rate, "calls": calls,
-                              "slicewise": ours, "multi_controller": mc_rate,
-                              "ratio": ours / mc_rate})
+                sweep.append(
+                    {
+                        "work_iters": iters,
+                        "length_ms": 1e3 / mc_rate,
+                        "calls": calls,
+                        "slicewise": ours,
+                        "multi_controller": mc_rate,
+                        "ratio": ours / mc_rate,
+                    }
+                )
         gang.release()
 
     mc_rate = baselines["multi_controller"]["median"]
@@ -133,11 +173,10 @@ def run(quick: bool = False) -> dict[str, Any]:
     out["ratios"] = {
         "opbyop_vs_multi_controller": shapes["opbyop"]["median"] / mc_rate,
         "chained_vs_multi_controller": shapes["chained"]["median"] / mc_rate,
-        "fused_vs_multi_controller_fused":
-            shapes["fused"]["median"] / baselines["multi_controller_fused"]["median"],
+        "fused_vs_multi_controller_fused": shapes["fused"]["median"]
+        / baselines["multi_controller_fused"]["median"],
         "opbyop_vs_plain_ray_pipelined": shapes["opbyop"]["median"] / plain["pipelined"],
-        "opbyop_waited_vs_plain_ray_waited":
-            shapes["opbyop_waited"]["median"] / plain["waited"],
+        "opbyop_waited_vs_plain_ray_waited": shapes["opbyop_waited"]["median"] / plain["waited"],
     }
     out["sweep"] = sweep
     reached = [p["length_ms"] for p in sweep if p["ratio"] >= 0.95]
@@ -149,13 +188,27 @@ def plot(result: dict[str, Any], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, (left, right) = plt.subplots(1, 2, figsize=(13, 4.8))
-    labels = ["OpByOp", "OpByOp\n(waited)", "Chained", "Fused", "multi-ctrl\nJAX",
-              "multi-ctrl\nJAX fused", "plain Ray\n(waited)", "plain Ray\n(pipelined)"]
+    labels = [
+        "OpByOp",
+        "OpByOp\n(waited)",
+        "Chained",
+        "Fused",
+        "multi-ctrl\nJAX",
+        "multi-ctrl\nJAX fused",
+        "plain Ray\n(waited)",
+        "plain Ray\n(pipelined)",
+    ]
     s, b = result["shapes"], result["baselines"]
-    values = [s["opbyop"]["median"], s["opbyop_waited"]["median"], s["chained"]["median"],
-              s["fused"]["median"], b["multi_controller"]["median"],
-              b["multi_controller_fused"]["median"], b["plain_ray_waited"],
-              b["plain_ray_pipelined"]]
+    values = [
+        s["opbyop"]["median"],
+        s["opbyop_waited"]["median"],
+        s["chained"]["median"],
+        s["fused"]["median"],
+        b["multi_controller"]["median"],
+        b["multi_controller_fused"]["median"],
+        b["plain_ray_waited"],
+        b["plain_ray_pipelined"],
+    ]
     colors = ["tab:blue"] * 4 + ["tab:gray"] * 4
     left.bar(labels, values, color=colors)
     left.set_yscale("log")
@@ -165,15 +218,18 @@ def plot(result: dict[str, Any], path: Path) -> None:
     sweep = result["sweep"]
     lengths = [p["length_ms"] for p in sweep]
     right.plot(lengths, [p["slicewise"] for p in sweep], "o-", label="slicewise OpByOp")
-    right.plot(lengths, [p["multi_controller"] for p in sweep], "s--",
-               label="multi-controller JAX")
+    right.plot(lengths, [p["multi_controller"] for p in sweep], "s--", label="multi-controller JAX")
     right.set_xscale("log")
     right.set_yscale("log")
     right.set_xlabel("computation length (ms, multi-controller step time)")
     right.set_ylabel("computations / s")
     if result.get("break_even_ms"):
-        right.axvline(result["break_even_ms"], color="tab:green", linestyle=":",
-                      label=f"95% reached at {result['break_even_ms']:.1f} ms")
+        right.axvline(
+            result["break_even_ms"],
+            color="tab:green",
+            linestyle=":",
+            label=f"95% reached at {result['break_even_ms']:.1f} ms",
+        )
     right.legend()
     right.set_title("throughput vs. computation length (paper Fig. 6)")
     fig.tight_layout()
@@ -190,8 +246,8 @@ def report(result: dict[str, Any]) -> str:
         f"(fused {b['multi_controller_fused']['median']:.0f}/s); plain Ray "
         f"{b['plain_ray_waited']:.0f}/s waited, {b['plain_ray_pipelined']:.0f}/s pipelined",
         "ratios: " + ", ".join(f"{k} {v:.2f}" for k, v in r.items()),
-        "sweep: " + ", ".join(f"{p['length_ms']:.2f} ms -> {p['ratio']:.2f}"
-                              for p in result["sweep"]),
+        "sweep: "
+        + ", ".join(f"{p['length_ms']:.2f} ms -> {p['ratio']:.2f}" for p in result["sweep"]),
         f"break-even (>= 95% of multi-controller): {result['break_even_ms']} ms",
     ]
     return "\n".join(lines)

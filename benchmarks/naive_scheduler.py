@@ -58,8 +58,14 @@ class _Running:
 class NaiveScheduler:
     """Same decisions as controller.scheduler.Scheduler, recomputed from scratch each time."""
 
-    def __init__(self, clock: Callable[[], float], *, grace_s: float = GRACE_S,
-                 backoff_s: float = BACKOFF_S, max_backoff_s: float = MAX_BACKOFF_S) -> None:
+    def __init__(
+        self,
+        clock: Callable[[], float],
+        *,
+        grace_s: float = GRACE_S,
+        backoff_s: float = BACKOFF_S,
+        max_backoff_s: float = MAX_BACKOFF_S,
+    ) -> None:
         self.clock = clock
         self.grace_s, self.backoff_s, self.max_backoff_s = grace_s, backoff_s, max_backoff_s
         self.inventory: dict[str, Slice] = {}
@@ -98,8 +104,9 @@ class NaiveScheduler:
         for gang in self.running.values():
             for name, stype in gang.slices.items():
                 known.setdefault(name, Slice(name, stype, (), simulated=False))
-        check_can_ever_fit(known, request.num_slices, request.slice_types,
-                           same_type=request.same_type)
+        check_can_ever_fit(
+            known, request.num_slices, request.slice_types, same_type=request.same_type
+        )
         if not request.submitted_at:
             request.submitted_at = self.clock()
         self.queue.append(_Waiting(request, self._next(), request.submitted_at))
@@ -164,18 +171,24 @@ class NaiveScheduler:
         counts = {t: len(v) for t, v in free.items()}
         due = [w for w in queue if w.expires_at() <= now]
         for w in due:
-            decisions.append(Expire(w.request.request_id, expiry_reason(
-                w.request, now - w.since, queue.index(w), counts)))
+            decisions.append(
+                Expire(
+                    w.request.request_id,
+                    expiry_reason(w.request, now - w.since, queue.index(w), counts),
+                )
+            )
         for w in due:
             self._drop(w)
-        late = sorted((g for g in self.running.values()
-                       if g.preemptor is not None and g.deadline <= now),
-                      key=lambda g: (g.deadline, g.admitted))
+        late = sorted(
+            (g for g in self.running.values() if g.preemptor is not None and g.deadline <= now),
+            key=lambda g: (g.deadline, g.admitted),
+        )
         for gang in late:
             assert gang.preemptor is not None
             slices = self._release(gang.request.request_id, now)
-            decisions.append(ForceRelease(gang.request.request_id,
-                                          gang.preemptor.request.request_id, slices))
+            decisions.append(
+                ForceRelease(gang.request.request_id, gang.preemptor.request.request_id, slices)
+            )
         decisions += self._walk(now)
         return decisions
 
@@ -192,14 +205,20 @@ class NaiveScheduler:
             types = [t.name for t in r.slice_types]
             if w.not_before > now:
                 continue
-            res = {t: sorted(x for x, o in self.reserved.items()
-                             if o is w and self._intact(x) == (t, True)) for t in types}
-            pend = {t: len(res[t]) + sum(self._cover(self.running[v], [t]) for v in w.victims)
-                    for t in types}
+            res = {
+                t: sorted(
+                    x for x, o in self.reserved.items() if o is w and self._intact(x) == (t, True)
+                )
+                for t in types
+            }
+            pend = {
+                t: len(res[t]) + sum(self._cover(self.running[v], [t]) for v in w.victims)
+                for t in types
+            }
             av = {t: avail.get(t, 0) for t in types}
 
             def take(t: str, k: int, rid: str = rid) -> list[str]:
-                got = free.get(t, [])[taken.get(t, 0):taken.get(t, 0) + k]
+                got = free.get(t, [])[taken.get(t, 0) : taken.get(t, 0) + k]
                 taken[t] = taken.get(t, 0) + k
                 avail[t] = avail.get(t, 0) - k
                 return got
@@ -225,8 +244,11 @@ class NaiveScheduler:
                         names += take(t, min(av[t], n - len(names)))
             if names is not None:
                 order = {t: i for i, t in enumerate(types)}
-                out.append(Admission(rid, tuple(sorted(
-                    names, key=lambda x: (order[self._intact(x)[0]], x)))))
+                out.append(
+                    Admission(
+                        rid, tuple(sorted(names, key=lambda x: (order[self._intact(x)[0]], x)))
+                    )
+                )
                 continue
             if r.same_type:
                 ready = [t for t in types if av[t] + pend[t] >= n]
@@ -236,19 +258,33 @@ class NaiveScheduler:
             elif sum(av.values()) + sum(pend.values()) >= n:
                 claim(types, n - sum(pend.values()))
                 continue
-            options = ([([t], n - av[t] - pend[t]) for t in types] if r.same_type
-                       else [(types, n - sum(av.values()) - sum(pend.values()))])
+            options = (
+                [([t], n - av[t] - pend[t]) for t in types]
+                if r.same_type
+                else [(types, n - sum(av.values()) - sum(pend.values()))]
+            )
             best = None
             for i, (ts, need) in enumerate(options):
                 cands = []
                 for gid, g in self.running.items():
-                    if (g.request.priority >= prio or g.preemptor is not None
-                            or gid in consumed or gid in claimed):
+                    if (
+                        g.request.priority >= prio
+                        or g.preemptor is not None
+                        or gid in consumed
+                        or gid in claimed
+                    ):
                         continue
                     cover = self._cover(g, ts)
                     if cover:
-                        cands.append(Candidate(gid, cover, sum(t.chips for t in g.slices.values()),
-                                               g.request.priority, g.admitted))
+                        cands.append(
+                            Candidate(
+                                gid,
+                                cover,
+                                sum(t.chips for t in g.slices.values()),
+                                g.request.priority,
+                                g.admitted,
+                            )
+                        )
                 if sum(c.cover for c in cands) < need:
                     continue
                 chosen = cheapest_victims(cands, need)
@@ -279,11 +315,12 @@ class NaiveScheduler:
             w = next(w for w in self.queue if w.request.request_id == decision.request_id)
             self._drop(w)
             self.running[decision.request_id] = _Running(
-                w.request, w.seq, self._next(),
-                {n: self.inventory[n].type for n in decision.slices})
+                w.request, w.seq, self._next(), {n: self.inventory[n].type for n in decision.slices}
+            )
         elif isinstance(decision, Preempt):
             gang = self.running[decision.victim_id]
-            gang.preemptor = next(w for w in self.queue
-                                  if w.request.request_id == decision.for_request)
+            gang.preemptor = next(
+                w for w in self.queue if w.request.request_id == decision.for_request
+            )
             gang.deadline = decision.deadline
             gang.preemptor.victims.add(decision.victim_id)

@@ -19,12 +19,14 @@ SIM = "2xv5litepod-4"
 def run(quick: bool = False) -> dict[str, Any]:
     import slicewise
 
-    sizes = [2**20, 16 * 2**20, 256 * 2**20] if quick else [2**20, 16 * 2**20, 256 * 2**20,
-                                                            2**30]
+    sizes = [2**20, 16 * 2**20, 256 * 2**20] if quick else [2**20, 16 * 2**20, 256 * 2**20, 2**30]
     reps = 2 if quick else 3
     points = []
-    with sim_controller(SIM) as controller, slicewise.connect(controller.address) as client, \
-            RawSocketSink() as sink:
+    with (
+        sim_controller(SIM) as controller,
+        slicewise.connect(controller.address) as client,
+        RawSocketSink() as sink,
+    ):
         gang = client.allocate(slices=2, slice_type="v5litepod-4", timeout=300)
         mesh = gang.mesh(dcn={"slice": 2}, ici={"chip": 4})
         sharding = mesh.sharding(("slice", "chip"))
@@ -43,15 +45,29 @@ def run(quick: bool = False) -> dict[str, Any]:
                 del back
             raw = summarize([sink.send(memoryview(data).cast("B")) for _ in range(reps)])
             put, fetch = summarize(puts), summarize(fetches)
-            points.append({
-                "bytes": size, "put_s": put, "fetch_s": fetch, "raw_socket_s": raw,
-                "put_gbps": size / put["median"] / 1e9, "fetch_gbps": size / fetch["median"] / 1e9,
-                "raw_socket_gbps": size / raw["median"] / 1e9,
-                "put_ratio": raw["median"] / put["median"],
-                "fetch_ratio": raw["median"] / fetch["median"]})
+            points.append(
+                {
+                    "bytes": size,
+                    "put_s": put,
+                    "fetch_s": fetch,
+                    "raw_socket_s": raw,
+                    "put_gbps": size / put["median"] / 1e9,
+                    "fetch_gbps": size / fetch["median"] / 1e9,
+                    "raw_socket_gbps": size / raw["median"] / 1e9,
+                    "put_ratio": raw["median"] / put["median"],
+                    "fetch_ratio": raw["median"] / fetch["median"],
+                }
+            )
         gang.release()
-    return {"config": {"sim": SIM, "repeats": reps, "sharding": "split over all 8 chips",
-                       "quick": quick}, "points": points}
+    return {
+        "config": {
+            "sim": SIM,
+            "repeats": reps,
+            "sharding": "split over all 8 chips",
+            "quick": quick,
+        },
+        "points": points,
+    }
 
 
 def plot(result: dict[str, Any], path: Path) -> None:
@@ -77,7 +93,9 @@ def report(result: dict[str, Any]) -> str:
     return "\n".join(
         f"{size_label(p['bytes'])}: put {p['put_gbps']:.2f} GB/s, fetch {p['fetch_gbps']:.2f} "
         f"GB/s, raw socket {p['raw_socket_gbps']:.2f} GB/s (ratios {p['put_ratio']:.2f} / "
-        f"{p['fetch_ratio']:.2f})" for p in result["points"])
+        f"{p['fetch_ratio']:.2f})"
+        for p in result["points"]
+    )
 
 
 def main() -> None:

@@ -68,10 +68,15 @@ class Stream:
         # A fifth ask by topology: the controller resolves "16x16" to the same slice type.
         stype = slice_type("16x16") if rng.random() < 0.2 else SLICE
         wait = rng.uniform(300, 3600) if rng.random() < MAX_WAIT_SHARE else None
-        self.scheduler.submit(GangRequest(
-            f"r{self.ids}", rng.choices(list(SIZES), list(SIZES.values()))[0], stype,
-            priority=rng.choices(list(priorities), list(priorities.values()))[0],
-            max_wait_s=wait))
+        self.scheduler.submit(
+            GangRequest(
+                f"r{self.ids}",
+                rng.choices(list(SIZES), list(SIZES.values()))[0],
+                stype,
+                priority=rng.choices(list(priorities), list(priorities.values()))[0],
+                max_wait_s=wait,
+            )
+        )
 
     def event(self, step: int) -> None:
         """One event: a victim releases if one is due, else a gang ends or a request arrives."""
@@ -112,19 +117,33 @@ class Stream:
 
 def cluster() -> list[Slice]:
     """200 intact v5litepod-256 slices of 64 hosts each."""
-    return [Slice(f"slice-{i:03d}",
-                  SLICE,
-                  tuple(Host(f"slice-{i:03d}-w{w}", f"10.{i // 250}.{i % 250}.{w}", w,
-                             SLICE.chips_per_host, True) for w in range(SLICE.hosts)),
-                  simulated=False)
-            for i in range(NUM_SLICES)]
+    return [
+        Slice(
+            f"slice-{i:03d}",
+            SLICE,
+            tuple(
+                Host(
+                    f"slice-{i:03d}-w{w}",
+                    f"10.{i // 250}.{i % 250}.{w}",
+                    w,
+                    SLICE.chips_per_host,
+                    True,
+                )
+                for w in range(SLICE.hosts)
+            ),
+            simulated=False,
+        )
+        for i in range(NUM_SLICES)
+    ]
 
 
 def percentiles(times: list[float]) -> dict[str, float]:
     """Latency at a few percentiles, for the plot."""
     ordered = sorted(times)
-    return {str(q): ordered[min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1)))]
-            for q in (1, 10, 25, 50, 75, 90, 95, 99, 99.9, 100)}
+    return {
+        str(q): ordered[min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1)))]
+        for q in (1, 10, 25, 50, 75, 90, 95, 99, 99.9, 100)
+    }
 
 
 def run(quick: bool = False, seed: int = 0) -> dict[str, Any]:
@@ -149,10 +168,18 @@ def run(quick: bool = False, seed: int = 0) -> dict[str, Any]:
     return {
         "machine": machine(),
         "python": platform.python_version(),
-        "config": {"slices": NUM_SLICES, "slice_type": SLICE.name,
-                   "chips": NUM_SLICES * SLICE.chips, "queued": QUEUE, "sizes": SIZES,
-                   "backlog_priorities": BACKLOG_PRIORITIES, "arrival_priorities": PRIORITIES,
-                   "seed": seed, "quick": quick, **sizes},
+        "config": {
+            "slices": NUM_SLICES,
+            "slice_type": SLICE.name,
+            "chips": NUM_SLICES * SLICE.chips,
+            "queued": QUEUE,
+            "sizes": SIZES,
+            "backlog_priorities": BACKLOG_PRIORITIES,
+            "arrival_priorities": PRIORITIES,
+            "seed": seed,
+            "quick": quick,
+            **sizes,
+        },
         "unit": "ms per decision",
         "queue_at_end": len(ours.scheduler.queued()),
         "decisions_made": dict(kinds),
@@ -176,14 +203,20 @@ def report(result: dict[str, Any]) -> str:
         f"decisions made: {result['decisions_made']}",
         f"{'ms per decision':<30}{'median':>10}{'p99':>10}{'min':>10}{'max':>10}{'n':>8}",
     ]
-    for label, s in [("ours, whole stream", result["ours"]),
-                     ("ours, first decisions", result["ours_on_naive_prefix"]),
-                     ("naive, same first decisions", result["naive"])]:
-        lines.append(f"{label:<30}{s['median']:>10.3f}{s['p99']:>10.3f}{s['min']:>10.3f}"
-                     f"{s['max']:>10.3f}{s['n']:>8}")
-    lines.append(f"naive / ours: {result['ratio_median']:.0f}x at the median, "
-                 f"{result['ratio_p99']:.0f}x at p99 ({result['same_decisions_checked']} "
-                 "decisions checked identical)")
+    for label, s in [
+        ("ours, whole stream", result["ours"]),
+        ("ours, first decisions", result["ours_on_naive_prefix"]),
+        ("naive, same first decisions", result["naive"]),
+    ]:
+        lines.append(
+            f"{label:<30}{s['median']:>10.3f}{s['p99']:>10.3f}{s['min']:>10.3f}"
+            f"{s['max']:>10.3f}{s['n']:>8}"
+        )
+    lines.append(
+        f"naive / ours: {result['ratio_median']:.0f}x at the median, "
+        f"{result['ratio_p99']:.0f}x at p99 ({result['same_decisions_checked']} "
+        "decisions checked identical)"
+    )
     return "\n".join(lines)
 
 
@@ -199,8 +232,10 @@ def plot(result: dict[str, Any], path: Path) -> None:
     ax.set_yscale("log")
     ax.set_xlabel("percentile of decisions")
     ax.set_ylabel("ms per schedule() decision")
-    ax.set_title(f"gang scheduler, {result['config']['slices']} x "
-                 f"{result['config']['slice_type']}, ~{result['config']['queued']:,} queued")
+    ax.set_title(
+        f"gang scheduler, {result['config']['slices']} x "
+        f"{result['config']['slice_type']}, ~{result['config']['queued']:,} queued"
+    )
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=110)

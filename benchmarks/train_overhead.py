@@ -33,10 +33,30 @@ SETTLE_S = 40.0
 # (slices, LM config, measured steps per round) sized for the two step lengths on a
 # 2-core machine.
 CONFIGS = {
-    "~50 ms": (2, {"d_model": "64", "n_layers": "2", "n_heads": "4", "d_ff": "256",
-                   "seq_len": "64", "batch_size": "16"}, 100),
-    "~5 ms": (1, {"d_model": "48", "n_layers": "1", "n_heads": "4", "d_ff": "96",
-                  "seq_len": "32", "batch_size": "16"}, 400),
+    "~50 ms": (
+        2,
+        {
+            "d_model": "64",
+            "n_layers": "2",
+            "n_heads": "4",
+            "d_ff": "256",
+            "seq_len": "64",
+            "batch_size": "16",
+        },
+        100,
+    ),
+    "~5 ms": (
+        1,
+        {
+            "d_model": "48",
+            "n_layers": "1",
+            "n_heads": "4",
+            "d_ff": "96",
+            "seq_len": "32",
+            "batch_size": "16",
+        },
+        400,
+    ),
 }
 
 
@@ -54,41 +74,49 @@ class _MultiController:
         from slicewise.common.mesh import GangShape, ShardingSpec
 
         spec = JobSpec("lm", gang.num_slices, SLICE_TYPE, 1, tuple(sorted(overrides.items())))
-        mesh_spec = spec.mesh_for(GangShape(gang.num_slices, gang.hosts_per_slice,
-                                            gang.chips_per_host))
+        mesh_spec = spec.mesh_for(
+            GangShape(gang.num_slices, gang.hosts_per_slice, gang.chips_per_host)
+        )
         program = get_program("lm")
         config = program.make_config(overrides)
         abstract = mesh_spec.abstract()
         axes = ParallelAxes.for_mesh(abstract, data=("data",), fsdp="fsdp")
-        init_art, step_art, _ = _export(make_flat_train_fns, program, config, abstract, axes,
-                                        gang.platform)
+        init_art, step_art, _ = _export(
+            make_flat_train_fns, program, config, abstract, axes, gang.platform
+        )
         mesh = Mesh(mesh_spec)
         init = gang.load(init_art, mesh, name="lm.init")
         self.step = gang.load(step_art, mesh, name="lm.step")
-        key = gang.put(np.asarray(jax.random.PRNGKey(program.seed(config))),
-                       ShardingSpec(mesh_spec, ()))
+        key = gang.put(
+            np.asarray(jax.random.PRNGKey(program.seed(config))), ShardingSpec(mesh_spec, ())
+        )
         state = init(key)
         state = list(state) if isinstance(state, tuple) else [state]
         for a in state:
             a.block_until_ready()
         self.state = state  # kept referenced: the workers' loops read it
         sharding = ShardingSpec(mesh_spec, (("data", "fsdp"),))
-        self.args = [[a.handle for a in state], "lm", tuple(sorted(overrides.items())),
-                     sharding]
-        self.actors = [ray.get_actor(w.actor_name, namespace="slicewise")
-                       for w in gang.stats().workers]
+        self.args = [[a.handle for a in state], "lm", tuple(sorted(overrides.items())), sharding]
+        self.actors = [
+            ray.get_actor(w.actor_name, namespace="slicewise") for w in gang.stats().workers
+        ]
 
     def steps_per_s(self, first_step: int, n: int) -> float:
         import ray
 
-        seconds = ray.get([a.bench_train_loop.remote(self.step.id, *self.args, first_step, n,
-                                                     WINDOW) for a in self.actors],
-                          timeout=1200)
+        seconds = ray.get(
+            [
+                a.bench_train_loop.remote(self.step.id, *self.args, first_step, n, WINDOW)
+                for a in self.actors
+            ],
+            timeout=1200,
+        )
         return n / max(seconds)
 
 
-def _controller_driven(client: Any, gang: Any, overrides: dict[str, str], warm: int,
-                       n: int) -> tuple[float, float]:
+def _controller_driven(
+    client: Any, gang: Any, overrides: dict[str, str], warm: int, n: int
+) -> tuple[float, float]:
     """Steps per second of a job the controller drives on `gang` (steps after the warm-up),
     and its median step time."""
     job = client.submit_job("lm", steps=warm + n, overrides=overrides, gang=gang)
@@ -99,11 +127,13 @@ def _controller_driven(client: Any, gang: Any, overrides: dict[str, str], warm: 
         time.sleep(0.2)
     steps = list(client.job_metrics(job.job_id).steps)
     if len(steps) != warm + n:
-        raise RuntimeError(f"job {job.job_id} ended after {len(steps)} steps: "
-                           f"{client.job(job.job_id).error}")
+        raise RuntimeError(
+            f"job {job.job_id} ended after {len(steps)} steps: {client.job(job.job_id).error}"
+        )
     measured = steps[warm:]
-    return n / sum(s.step_time_s for s in measured), float(np.median(
-        [s.step_time_s for s in measured]))
+    return n / sum(s.step_time_s for s in measured), float(
+        np.median([s.step_time_s for s in measured])
+    )
 
 
 def run(quick: bool = False) -> dict[str, Any]:
@@ -111,8 +141,11 @@ def run(quick: bool = False) -> dict[str, Any]:
 
     warm, rounds = (5, 1) if quick else (5, 5)
     points = []
-    with (sim_controller(SIM) as controller, slicewise.connect(controller.address) as client,
-          attached_to_ray(client)):
+    with (
+        sim_controller(SIM) as controller,
+        slicewise.connect(controller.address) as client,
+        attached_to_ray(client),
+    ):
         for label, (slices, overrides, n) in CONFIGS.items():
             n = n // 4 if quick else n
             mc_s, ours_s, medians, ratios = 0.0, 0.0, [], []
@@ -131,20 +164,35 @@ def run(quick: bool = False) -> dict[str, Any]:
                     medians.append(median_step)
                     ratios.append(ours / mc)
             total = n * rounds
-            points.append({"step": label, "slices": slices, "overrides": overrides,
-                           "rounds": rounds, "steps_per_round": n,
-                           "multi_controller_steps_per_s": total / mc_s,
-                           "controller_steps_per_s": total / ours_s,
-                           "multi_controller_step_ms": 1e3 * mc_s / total,
-                           "controller_median_step_ms": 1e3 * float(np.median(medians)),
-                           "round_ratios": ratios,
-                           "ratio_of_totals": mc_s / ours_s,
-                           "ratio": float(np.median(ratios))})
-    return {"config": {"sim": SIM, "warmup_steps": warm, "rounds": rounds, "window": WINDOW,
-                       "mesh": "data over the slices (DCN)", "same_gang": True,
-                       "settle_s": SETTLE_S,
-                       "quick": quick},
-            "points": points}
+            points.append(
+                {
+                    "step": label,
+                    "slices": slices,
+                    "overrides": overrides,
+                    "rounds": rounds,
+                    "steps_per_round": n,
+                    "multi_controller_steps_per_s": total / mc_s,
+                    "controller_steps_per_s": total / ours_s,
+                    "multi_controller_step_ms": 1e3 * mc_s / total,
+                    "controller_median_step_ms": 1e3 * float(np.median(medians)),
+                    "round_ratios": ratios,
+                    "ratio_of_totals": mc_s / ours_s,
+                    "ratio": float(np.median(ratios)),
+                }
+            )
+    return {
+        "config": {
+            "sim": SIM,
+            "warmup_steps": warm,
+            "rounds": rounds,
+            "window": WINDOW,
+            "mesh": "data over the slices (DCN)",
+            "same_gang": True,
+            "settle_s": SETTLE_S,
+            "quick": quick,
+        },
+        "points": points,
+    }
 
 
 def plot(result: dict[str, Any], path: Path) -> None:
@@ -154,15 +202,28 @@ def plot(result: dict[str, Any], path: Path) -> None:
     labels = [p["step"] for p in points]
     x = np.arange(len(points))
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    ax.bar(x - 0.2, [p["multi_controller_steps_per_s"] for p in points], 0.4,
-           label="multi-controller (each worker loops)", color="tab:gray")
-    ax.bar(x + 0.2, [p["controller_steps_per_s"] for p in points], 0.4,
-           label="slicewise job (controller drives)", color="tab:blue")
+    ax.bar(
+        x - 0.2,
+        [p["multi_controller_steps_per_s"] for p in points],
+        0.4,
+        label="multi-controller (each worker loops)",
+        color="tab:gray",
+    )
+    ax.bar(
+        x + 0.2,
+        [p["controller_steps_per_s"] for p in points],
+        0.4,
+        label="slicewise job (controller drives)",
+        color="tab:blue",
+    )
     for i, p in enumerate(points):
-        ax.text(i + 0.2, p["controller_steps_per_s"], f"{p['ratio']:.2f}x", ha="center",
-                va="bottom")
-    ax.set_xticks(x, [f"step {label}\n{p['slices']} slice(s)" for label, p in
-                      zip(labels, points, strict=True)])
+        ax.text(
+            i + 0.2, p["controller_steps_per_s"], f"{p['ratio']:.2f}x", ha="center", va="bottom"
+        )
+    ax.set_xticks(
+        x,
+        [f"step {label}\n{p['slices']} slice(s)" for label, p in zip(labels, points, strict=True)],
+    )
     ax.set_ylabel("steps / s")
     ax.set_title("LM training step throughput, controller-driven vs multi-controller")
     ax.legend()
@@ -178,7 +239,8 @@ def report(result: dict[str, Any]) -> str:
         f"{p['controller_steps_per_s']:.1f} steps/s (median {p['controller_median_step_ms']:.1f}"
         f" ms); ratio {p['ratio']:.3f} (median round; rounds "
         f"{', '.join(f'{r:.3f}' for r in p.get('round_ratios', []))})"
-        for p in result["points"])
+        for p in result["points"]
+    )
 
 
 def main() -> None:

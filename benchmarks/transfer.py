@@ -24,8 +24,11 @@ def swap_slices(mesh: Any) -> Any:
     def body(block: jax.Array) -> jax.Array:
         return jax.lax.ppermute(block, "slice", perm=[(0, 1), (1, 0)])
 
-    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P(("slice", "chip")),
-                                 out_specs=P(("slice", "chip"))))
+    return jax.jit(
+        jax.shard_map(
+            body, mesh=mesh, in_specs=P(("slice", "chip")), out_specs=P(("slice", "chip"))
+        )
+    )
 
 
 def filled(mesh: Any, n: int) -> Any:
@@ -33,8 +36,9 @@ def filled(mesh: Any, n: int) -> Any:
     import jax
     import jax.numpy as jnp
 
-    return jax.jit(lambda: jnp.arange(n, dtype=jnp.float32),
-                   out_shardings=mesh.sharding(("slice", "chip")))
+    return jax.jit(
+        lambda: jnp.arange(n, dtype=jnp.float32), out_shardings=mesh.sharding(("slice", "chip"))
+    )
 
 
 def _timed(program: Any, x: Any) -> float:
@@ -51,8 +55,11 @@ def run(quick: bool = False) -> dict[str, Any]:
     sizes = [2**20, 16 * 2**20, 256 * 2**20] if quick else [4**k * 2**20 for k in range(6)]
     reps = 3 if quick else 5
     points = []
-    with sim_controller(SIM) as controller, slicewise.connect(controller.address) as client, \
-            RawSocketSink() as sink:
+    with (
+        sim_controller(SIM) as controller,
+        slicewise.connect(controller.address) as client,
+        RawSocketSink() as sink,
+    ):
         gang = client.allocate(slices=2, slice_type="v5litepod-4", timeout=300)
         mesh = gang.mesh(dcn={"slice": 2}, ici={"chip": 4})
         for size in sizes:
@@ -71,15 +78,28 @@ def run(quick: bool = False) -> dict[str, Any]:
             payload = memoryview(np.zeros(size, np.uint8))
             raw = summarize([sink.send(payload) for _ in range(reps)])
             x.delete()
-            points.append({"bytes": size, "slicewise_s": ours, "raw_socket_s": raw,
-                           "slicewise_gbps": size / ours["median"] / 1e9,
-                           "raw_socket_gbps": size / raw["median"] / 1e9,
-                           "ratio": raw["median"] / ours["median"]})
+            points.append(
+                {
+                    "bytes": size,
+                    "slicewise_s": ours,
+                    "raw_socket_s": raw,
+                    "slicewise_gbps": size / ours["median"] / 1e9,
+                    "raw_socket_gbps": size / raw["median"] / 1e9,
+                    "ratio": raw["median"] / ours["median"],
+                }
+            )
         gang.release()
     at_256 = next((p["ratio"] for p in points if p["bytes"] == 256 * 2**20), None)
-    return {"config": {"sim": SIM, "repeats": reps, "path": "ppermute over the slice axis",
-                       "quick": quick},
-            "points": points, "ratio_at_256mib": at_256}
+    return {
+        "config": {
+            "sim": SIM,
+            "repeats": reps,
+            "path": "ppermute over the slice axis",
+            "quick": quick,
+        },
+        "points": points,
+        "ratio_at_256mib": at_256,
+    }
 
 
 def plot(result: dict[str, Any], path: Path) -> None:
@@ -88,10 +108,13 @@ def plot(result: dict[str, Any], path: Path) -> None:
     points = result["points"]
     sizes = [p["bytes"] / 2**20 for p in points]
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    ax.plot(sizes, [p["slicewise_gbps"] for p in points], "o-", label="slicewise: ppermute "
-            "across slices (DCN path)")
-    ax.plot(sizes, [p["raw_socket_gbps"] for p in points], "s--",
-            label="raw loopback TCP socket")
+    ax.plot(
+        sizes,
+        [p["slicewise_gbps"] for p in points],
+        "o-",
+        label="slicewise: ppermute across slices (DCN path)",
+    )
+    ax.plot(sizes, [p["raw_socket_gbps"] for p in points], "s--", label="raw loopback TCP socket")
     ax.set_xscale("log", base=2)
     ax.set_xlabel("bytes moved (MiB)")
     ax.set_ylabel("GB/s")
@@ -103,8 +126,11 @@ def plot(result: dict[str, Any], path: Path) -> None:
 
 
 def report(result: dict[str, Any]) -> str:
-    rows = [f"{size_label(p['bytes'])}: slicewise {p['slicewise_gbps']:.2f} GB/s, raw socket "
-            f"{p['raw_socket_gbps']:.2f} GB/s, ratio {p['ratio']:.2f}" for p in result["points"]]
+    rows = [
+        f"{size_label(p['bytes'])}: slicewise {p['slicewise_gbps']:.2f} GB/s, raw socket "
+        f"{p['raw_socket_gbps']:.2f} GB/s, ratio {p['ratio']:.2f}"
+        for p in result["points"]
+    ]
     return "\n".join(rows + [f"ratio at 256 MiB: {result['ratio_at_256mib']}"])
 
 

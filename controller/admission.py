@@ -41,9 +41,15 @@ _INVENTORY_PERIOD_S = 1.0
 class GangManager:
     """The controller's gangs: admission, start, preemption, sharing, release."""
 
-    def __init__(self, nodes: Callable[[], list[dict[str, Any]]], *, worker_window: int = 3,
-                 spans: SpanRecorder | None = None, grace_s: float = 30.0,
-                 on_released: Callable[[Gang, str], None] = lambda gang, why: None) -> None:
+    def __init__(
+        self,
+        nodes: Callable[[], list[dict[str, Any]]],
+        *,
+        worker_window: int = 3,
+        spans: SpanRecorder | None = None,
+        grace_s: float = 30.0,
+        on_released: Callable[[Gang, str], None] = lambda gang, why: None,
+    ) -> None:
         self.scheduler = Scheduler(grace_s=grace_s)
         self.gangs: dict[str, Gang] = {}
         self.spans = spans or SpanRecorder()
@@ -100,17 +106,20 @@ class GangManager:
             why = self._released.get(gang_id) or self._released.get(base)
             if why is not None:
                 raise FailedPreconditionError(
-                    f"gang {gang_id} {why}; allocate a new gang to run more work")
+                    f"gang {gang_id} {why}; allocate a new gang to run more work"
+                )
             raise NotFoundError(f"gang {gang_id!r} is unknown to this controller")
         if usable and gang.state is GangState.FAILED:
             raise FailedPreconditionError(
-                f"gang {gang_id} failed ({gang.failure}); release it and allocate a new one")
+                f"gang {gang_id} failed ({gang.failure}); release it and allocate a new one"
+            )
         if usable and gang.state in (GangState.PREEMPTED, GangState.STARTING):
             position = self._position(base)
             where = f" (queue position {position})" if position is not None else ""
             raise FailedPreconditionError(
                 f"gang {gang_id} was preempted by a higher-priority request and is queued to "
-                f"resume{where}; its arrays are gone: upload them again once it is back")
+                f"resume{where}; its arrays are gone: upload them again once it is back"
+            )
         return gang, attachment
 
     def get(self, gang_id: str, *, usable: bool = True) -> Gang:
@@ -124,10 +133,20 @@ class GangManager:
 
     # -- allocation -----------------------------------------------------------------
 
-    async def allocate(self, num_slices: int, slice_type_name: str, *, timeout_s: float = 0,
-                       client: str = "", priority: int = 0, max_wait_s: float | None = None,
-                       alternatives: Sequence[str] = (), same_type: bool = True,
-                       shared: str = "", weight: float = 1.0) -> tuple[Gang, str]:
+    async def allocate(
+        self,
+        num_slices: int,
+        slice_type_name: str,
+        *,
+        timeout_s: float = 0,
+        client: str = "",
+        priority: int = 0,
+        max_wait_s: float | None = None,
+        alternatives: Sequence[str] = (),
+        same_type: bool = True,
+        shared: str = "",
+        weight: float = 1.0,
+    ) -> tuple[Gang, str]:
         """Admits a gang of whole slices and starts its workers (see AllocateGang).
         Returns the gang and the id the caller should use for it."""
         if weight <= 0:
@@ -139,14 +158,23 @@ class GangManager:
                 return self._attach(gang, num_slices, slice_type_name, client, weight)
             creating = self._shared[shared] = asyncio.get_running_loop().create_future()
             try:
-                gang, _ = await self.allocate(num_slices, slice_type_name, timeout_s=timeout_s,
-                                              client=client, priority=priority,
-                                              max_wait_s=max_wait_s, alternatives=alternatives,
-                                              same_type=same_type)
+                gang, _ = await self.allocate(
+                    num_slices,
+                    slice_type_name,
+                    timeout_s=timeout_s,
+                    client=client,
+                    priority=priority,
+                    max_wait_s=max_wait_s,
+                    alternatives=alternatives,
+                    same_type=same_type,
+                )
             except BaseException as exc:
                 del self._shared[shared]
-                creating.set_exception(exc if isinstance(exc, Exception) else
-                                       DeadlineError(f"shared gang {shared!r} was not created"))
+                creating.set_exception(
+                    exc
+                    if isinstance(exc, Exception)
+                    else DeadlineError(f"shared gang {shared!r} was not created")
+                )
                 creating.exception()  # retrieved: waiters get it; nobody else needs to
                 raise
             gang.share(shared)
@@ -159,21 +187,40 @@ class GangManager:
             raise InvalidRequestError(
                 "a gang runs one SPMD program over equal slices, and slices of types "
                 f"{', '.join(t.name for t in (stype, *alts))} differ in shape; ask for one "
-                "type at a time (alternatives without mixed types)")
+                "type at a time (alternatives without mixed types)"
+            )
         timeout_s = timeout_s or DEFAULT_ALLOCATE_TIMEOUT_S
         gang_id = f"g{next(self._ids)}"
-        request = GangRequest(gang_id, num_slices, stype, client, priority=priority,
-                              slice_types=(stype, *alts), same_type=same_type,
-                              max_wait_s=max_wait_s)
+        request = GangRequest(
+            gang_id,
+            num_slices,
+            stype,
+            client,
+            priority=priority,
+            slice_types=(stype, *alts),
+            same_type=same_type,
+            max_wait_s=max_wait_s,
+        )
         await self.refresh_inventory()
-        log.info("gang %s: %s asks for %d x %s (priority %d)", gang_id, client or "a client",
-                 num_slices, "/".join(t.name for t in request.slice_types), priority)
+        log.info(
+            "gang %s: %s asks for %d x %s (priority %d)",
+            gang_id,
+            client or "a client",
+            num_slices,
+            "/".join(t.name for t in request.slice_types),
+            priority,
+        )
         deadline = time.monotonic() + timeout_s
         for attempt in range(RESERVE_ATTEMPTS):
             slice_names = await self._admitted(request, deadline)
             gang = self.gangs.get(gang_id) or Gang(
-                gang_id, client, stype, [self.scheduler.inventory[n] for n in slice_names],
-                window=self._worker_window, spans=self.spans)
+                gang_id,
+                client,
+                stype,
+                [self.scheduler.inventory[n] for n in slice_names],
+                window=self._worker_window,
+                spans=self.spans,
+            )
             gang.slices = [self.scheduler.inventory[n] for n in slice_names]
             self.gangs[gang_id] = gang
             try:
@@ -182,8 +229,9 @@ class GangManager:
             except SliceLostError as exc:
                 # Rolled back (no placement group of it is left): try again elsewhere, in
                 # the request's old place in the queue.
-                log.warning("gang %s: %s; retrying (%d/%d)", gang_id, exc, attempt + 1,
-                            RESERVE_ATTEMPTS)
+                log.warning(
+                    "gang %s: %s; retrying (%d/%d)", gang_id, exc, attempt + 1, RESERVE_ATTEMPTS
+                )
                 self.scheduler.release(gang_id)
                 self.scheduler.cancel(gang_id)
                 await self.refresh_inventory()
@@ -211,7 +259,8 @@ class GangManager:
             why = self.scheduler.why_waiting(rid)
             raise DeadlineError(
                 f"no {request.num_slices} x {request.slice_type.name} could be admitted in "
-                f"time: {why}; wait longer (timeout) or release other gangs") from None
+                f"time: {why}; wait longer (timeout) or release other gangs"
+            ) from None
         finally:
             self._waiters.pop(rid, None)
             if not waiter.done():
@@ -219,18 +268,25 @@ class GangManager:
             elif waiter.exception() is None and asyncio.current_task().cancelled():
                 self.scheduler.release(rid)
 
-    def _attach(self, gang: Gang, num_slices: int, slice_type_name: str, client: str,
-                weight: float) -> tuple[Gang, str]:
+    def _attach(
+        self, gang: Gang, num_slices: int, slice_type_name: str, client: str, weight: float
+    ) -> tuple[Gang, str]:
         stype = slice_type(slice_type_name)
         if (num_slices, stype) != (gang.shape.num_slices, gang.slice_type):
             raise InvalidRequestError(
                 f"shared gang {gang.shared_name!r} is {gang.shape.num_slices} x "
-                f"{gang.slice_type.name}; ask for the same to attach, or use another name")
+                f"{gang.slice_type.name}; ask for the same to attach, or use another name"
+            )
         attachment = f"a{next(self._attach_ids)}"
         gang.attachments[attachment] = (client, weight)
         gang.dispatcher.set_weight(attachment, weight)
-        log.info("gang %s: %s attached as %s with weight %g", gang.gang_id, client or "a client",
-                 attachment, weight)
+        log.info(
+            "gang %s: %s attached as %s with weight %g",
+            gang.gang_id,
+            client or "a client",
+            attachment,
+            weight,
+        )
         return gang, f"{gang.gang_id}@{attachment}"
 
     def _lost_slice(self, gang: Gang) -> Callable[[], str | None]:
@@ -240,6 +296,7 @@ class GangManager:
                 if now is None or not now.intact:
                     return s.name
             return None
+
         return lost
 
     # -- the scheduler's decisions ----------------------------------------------------
@@ -255,9 +312,12 @@ class GangManager:
                     grace = max(0.0, decision.deadline - time.monotonic())
                     gang.state = GangState.PREEMPTING
                     gang.preempt_deadline = decision.deadline
-                    gang.publish("preempt", f"gang {gang.gang_id} must make room for "
-                                 f"{decision.for_request} within {grace:.0f} s: save what you "
-                                 "need and release (or yield) it")
+                    gang.publish(
+                        "preempt",
+                        f"gang {gang.gang_id} must make room for "
+                        f"{decision.for_request} within {grace:.0f} s: save what you "
+                        "need and release (or yield) it",
+                    )
             elif isinstance(decision, ForceRelease):
                 gang = self.gangs.get(decision.victim_id)
                 if gang is not None:
@@ -283,19 +343,24 @@ class GangManager:
         await gang.stop()
         gang.state = GangState.PREEMPTED
         self._on_released(gang, f"was preempted by {for_request}")
-        gang.publish("preempted", f"gang {gang.gang_id} was stopped for {for_request}; it is "
-                     "queued to resume on new workers (its arrays are gone)")
+        gang.publish(
+            "preempted",
+            f"gang {gang.gang_id} was stopped for {for_request}; it is "
+            "queued to resume on new workers (its arrays are gone)",
+        )
 
     async def _resume(self, gang: Gang, slice_names: tuple[str, ...]) -> None:
         try:
-            await gang.restart([self.scheduler.inventory[n] for n in slice_names],
-                               GANG_START_TIMEOUT_S, lost=self._lost_slice(gang))
+            await gang.restart(
+                [self.scheduler.inventory[n] for n in slice_names],
+                GANG_START_TIMEOUT_S,
+                lost=self._lost_slice(gang),
+            )
         except Exception as exc:  # noqa: BLE001 - the gang fails; its owner hears of it
             gang.state, gang.failure = GangState.FAILED, f"could not resume: {exc}"
             gang.publish("failed", gang.failure)
             return
-        gang.publish("resumed", f"gang {gang.gang_id} runs again on "
-                     f"{', '.join(slice_names)}")
+        gang.publish("resumed", f"gang {gang.gang_id} runs again on {', '.join(slice_names)}")
 
     def _spawn(self, coro: Any) -> None:
         task = asyncio.ensure_future(coro)
@@ -304,8 +369,14 @@ class GangManager:
 
     # -- release --------------------------------------------------------------------
 
-    async def release(self, gang_id: str, why: str = "was released", *, requeue: bool = False,
-                      detach_all: bool = False) -> None:
+    async def release(
+        self,
+        gang_id: str,
+        why: str = "was released",
+        *,
+        requeue: bool = False,
+        detach_all: bool = False,
+    ) -> None:
         """Releases a gang (or detaches one attachment of a shared gang; the gang goes when
         its last attachment does). With `requeue` the gang yields its slices but stays
         queued to resume, as a preempted gang does."""

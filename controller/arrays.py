@@ -70,8 +70,9 @@ class ArrayTable:
     def __len__(self) -> int:
         return len(self._records)
 
-    def new(self, gang_id: str, spec: ArraySpec, sharding: ShardingSpec | None = None
-            ) -> ArrayRecord:
+    def new(
+        self, gang_id: str, spec: ArraySpec, sharding: ShardingSpec | None = None
+    ) -> ArrayRecord:
         record = ArrayRecord(f"{gang_id}/a{next(self._ids)}", gang_id, spec, sharding)
         self._records[record.handle] = record
         return record

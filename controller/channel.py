@@ -18,8 +18,9 @@ from slicewise.common.ops import Op, OpResult
 class ControllerEnd:
     """The controller's end (asyncio): `send` operation batches, `receive` completions."""
 
-    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
-                 name: str) -> None:
+    def __init__(
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, name: str
+    ) -> None:
         self._reader = reader
         self._writer = writer
         self._name = name
@@ -72,8 +73,9 @@ class ControllerEnd:
             (length,) = LENGTH.unpack(await self._reader.readexactly(LENGTH.size))
             body = await self._reader.readexactly(length)
         except (asyncio.IncompleteReadError, OSError) as exc:
-            raise ChannelError(f"{self._name} closed its control channel (the worker "
-                               "process died or was killed)") from exc
+            raise ChannelError(
+                f"{self._name} closed its control channel (the worker process died or was killed)"
+            ) from exc
         if body[:1] == b"{":  # a JSON refusal of the hello
             return "error", json.loads(body).get("error", "refused")
         return pickle.loads(body)

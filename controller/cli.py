@@ -16,10 +16,15 @@ def _controller(args: argparse.Namespace) -> int:
     configure_logging(logging.DEBUG if args.verbose else logging.INFO, args.log_format)
     try:
         config = ServerConfig(
-            host=args.host, port=args.port, sim=args.sim, ray_address=args.ray_address,
+            host=args.host,
+            port=args.port,
+            sim=args.sim,
+            ray_address=args.ray_address,
             host_object_store_mb=args.host_object_store_mb,
-            head_object_store_mb=args.head_object_store_mb, worker_window=args.window,
-            metrics_port=args.metrics_port, state_dir=args.state_dir,
+            head_object_store_mb=args.head_object_store_mb,
+            worker_window=args.window,
+            metrics_port=args.metrics_port,
+            state_dir=args.state_dir,
             preemption_grace_s=args.preemption_grace,
         )
     except ValueError as exc:
@@ -92,8 +97,10 @@ def _follow_job(client, job_id: str, plain: bool | None) -> int:  # noqa: ANN001
     try:
         job = follow(client.watch_job(job_id), plain=plain)
     except KeyboardInterrupt:
-        print(f"\ndetached from {job_id}; it keeps running. Re-attach: slicewise watch "
-              f"{job_id}; stop it: slicewise cancel {job_id}")
+        print(
+            f"\ndetached from {job_id}; it keeps running. Re-attach: slicewise watch "
+            f"{job_id}; stop it: slicewise cancel {job_id}"
+        )
         return 0
     except SlicewiseError as exc:
         print(f"slicewise: {exc}", file=sys.stderr)
@@ -111,17 +118,26 @@ def _train(args: argparse.Namespace) -> int:
     ici = _pairs(args.ici, "--ici", int)
     with _connect(args, "train") as client:
         try:
-            job = client.submit_job(args.program, slices=args.slices,
-                                    slice_type=args.slice_type, steps=args.steps,
-                                    overrides=overrides, dcn=dcn, ici=ici)
+            job = client.submit_job(
+                args.program,
+                slices=args.slices,
+                slice_type=args.slice_type,
+                steps=args.steps,
+                overrides=overrides,
+                dcn=dcn,
+                ici=ici,
+            )
         except SlicewiseError as exc:
             print(f"slicewise train: {exc}", file=sys.stderr)
             return 1
         if args.detach:
             print(job.job_id)
             return 0
-        print(f"submitted {job.job_id}: {args.program} on {args.slices} x {args.slice_type}, "
-              f"{args.steps} steps (Ctrl-C detaches; the job keeps running)", flush=True)
+        print(
+            f"submitted {job.job_id}: {args.program} on {args.slices} x {args.slice_type}, "
+            f"{args.steps} steps (Ctrl-C detaches; the job keeps running)",
+            flush=True,
+        )
         return _follow_job(client, job.job_id, True if args.plain else None)
 
 
@@ -166,9 +182,11 @@ def _jobs(args: argparse.Namespace) -> int:
         else:
             print(summary(metrics.job, list(metrics.steps)))
             for s in metrics.steps:
-                print(f"step {s.step + 1:5d} loss {s.loss:.4f} grad_norm {s.grad_norm:.3f} "
-                      f"lr {s.learning_rate:.2e} {1e3 * s.step_time_s:7.1f} ms "
-                      f"{s.tokens_per_s:10,.0f} tok/s")
+                print(
+                    f"step {s.step + 1:5d} loss {s.loss:.4f} grad_norm {s.grad_norm:.3f} "
+                    f"lr {s.learning_rate:.2e} {1e3 * s.step_time_s:7.1f} ms "
+                    f"{s.tokens_per_s:10,.0f} tok/s"
+                )
     return 0
 
 
@@ -189,8 +207,9 @@ def _cluster(args: argparse.Namespace) -> int:
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
-    sim = SimulationProcess(args.sim, host_store_mb=args.host_object_store_mb,
-                            head_store_mb=args.head_object_store_mb)
+    sim = SimulationProcess(
+        args.sim, host_store_mb=args.host_object_store_mb, head_store_mb=args.head_object_store_mb
+    )
     try:
         print(f"simulated cluster {args.sim} running; Ray address {sim.address}", flush=True)
         print(f"  slicewise controller --ray-address {sim.address} --port 50051", flush=True)
@@ -203,31 +222,56 @@ def _cluster(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="slicewise",
-        description="A single-controller runtime for JAX on TPU v5e multislice clusters.")
+        description="A single-controller runtime for JAX on TPU v5e multislice clusters.",
+    )
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("controller", help="run a controller (with --sim: on a simulated cluster)")
     where = p.add_mutually_exclusive_group(required=True)
-    where.add_argument("--sim", metavar="SPEC",
-                       help="start an embedded simulated cluster, e.g. 2xv5litepod-4 or "
-                            "v5litepod-16,v5litepod-4")
-    where.add_argument("--ray-address", metavar="ADDR",
-                       help="join an existing Ray cluster and use the TPU hosts it reports")
+    where.add_argument(
+        "--sim",
+        metavar="SPEC",
+        help="start an embedded simulated cluster, e.g. 2xv5litepod-4 or v5litepod-16,v5litepod-4",
+    )
+    where.add_argument(
+        "--ray-address",
+        metavar="ADDR",
+        help="join an existing Ray cluster and use the TPU hosts it reports",
+    )
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default %(default)s)")
     p.add_argument("--port", type=int, default=50051, help="port (0 picks a free one)")
-    p.add_argument("--window", type=int, default=3,
-                   help="programs in flight per host before back-pressure (default %(default)s)")
+    p.add_argument(
+        "--window",
+        type=int,
+        default=3,
+        help="programs in flight per host before back-pressure (default %(default)s)",
+    )
     _object_store_flags(p)
-    p.add_argument("--metrics-port", type=int, metavar="PORT",
-                   help="serve Prometheus metrics on this port (0 picks a free one)")
-    p.add_argument("--preemption-grace", type=float, default=30.0, metavar="SECONDS",
-                   help="time a preempted gang's holder gets to save its work (default "
-                        "%(default)s)")
-    p.add_argument("--state-dir", metavar="DIR",
-                   help="where the journal of jobs and metrics lives (default: a temporary "
-                        "directory with --sim, ~/.local/state/slicewise otherwise)")
-    p.add_argument("--log-format", choices=("text", "json"), default="text",
-                   help="log lines as text or as JSON objects (default %(default)s)")
+    p.add_argument(
+        "--metrics-port",
+        type=int,
+        metavar="PORT",
+        help="serve Prometheus metrics on this port (0 picks a free one)",
+    )
+    p.add_argument(
+        "--preemption-grace",
+        type=float,
+        default=30.0,
+        metavar="SECONDS",
+        help="time a preempted gang's holder gets to save its work (default %(default)s)",
+    )
+    p.add_argument(
+        "--state-dir",
+        metavar="DIR",
+        help="where the journal of jobs and metrics lives (default: a temporary "
+        "directory with --sim, ~/.local/state/slicewise otherwise)",
+    )
+    p.add_argument(
+        "--log-format",
+        choices=("text", "json"),
+        default="text",
+        help="log lines as text or as JSON objects (default %(default)s)",
+    )
     p.add_argument("-v", "--verbose", action="store_true")
     p.set_defaults(func=_controller)
 
@@ -246,19 +290,36 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--sim", default="2xv5litepod-4", metavar="SPEC")
     p.set_defaults(func=_demo)
 
-    p = sub.add_parser("train", help="submit a training job of an installed program and "
-                                      "follow it (Ctrl-C detaches)")
+    p = sub.add_parser(
+        "train",
+        help="submit a training job of an installed program and follow it (Ctrl-C detaches)",
+    )
     p.add_argument("program", help="an installed program, e.g. lm (see programs/)")
     p.add_argument("--controller", default=DEFAULT_ADDRESS, metavar="ADDR")
     p.add_argument("--slices", type=int, default=1)
     p.add_argument("--slice-type", default="v5litepod-4")
     p.add_argument("--steps", type=int, required=True)
-    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                   help="config override, e.g. --set d_model=256 (repeatable)")
-    p.add_argument("--dcn", action="append", default=[], metavar="AXIS=N",
-                   help="mesh axes across slices, e.g. data=2 (default: data=SLICES)")
-    p.add_argument("--ici", action="append", default=[], metavar="AXIS=N",
-                   help="mesh axes inside a slice, e.g. fsdp=2,tensor=2 (default: fsdp=chips)")
+    p.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="config override, e.g. --set d_model=256 (repeatable)",
+    )
+    p.add_argument(
+        "--dcn",
+        action="append",
+        default=[],
+        metavar="AXIS=N",
+        help="mesh axes across slices, e.g. data=2 (default: data=SLICES)",
+    )
+    p.add_argument(
+        "--ici",
+        action="append",
+        default=[],
+        metavar="AXIS=N",
+        help="mesh axes inside a slice, e.g. fsdp=2,tensor=2 (default: fsdp=chips)",
+    )
     p.add_argument("--detach", action="store_true", help="print the job id and return at once")
     p.add_argument("--plain", action="store_true", help="one line per step, no progress bar")
     p.add_argument("--timeout", type=float, default=10.0)
@@ -284,8 +345,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout", type=float, default=10.0)
     p.set_defaults(func=_jobs)
 
-    sub.add_parser("bench", help="run benchmarks against their baselines: slicewise bench "
-                                 "[--quick] [NAME ...]")
+    sub.add_parser(
+        "bench", help="run benchmarks against their baselines: slicewise bench [--quick] [NAME ...]"
+    )
 
     p = sub.add_parser("cluster", help="run only a simulated Ray cluster (for --ray-address)")
     p.add_argument("--sim", required=True, metavar="SPEC")
@@ -295,10 +357,18 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _object_store_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--host-object-store-mb", type=int, default=1536,
-                   help="Ray object store per simulated host (default %(default)s)")
-    p.add_argument("--head-object-store-mb", type=int, default=3072,
-                   help="Ray object store of the head node (default %(default)s)")
+    p.add_argument(
+        "--host-object-store-mb",
+        type=int,
+        default=1536,
+        help="Ray object store per simulated host (default %(default)s)",
+    )
+    p.add_argument(
+        "--head-object-store-mb",
+        type=int,
+        default=3072,
+        help="Ray object store of the head node (default %(default)s)",
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -61,17 +61,26 @@ class PutTarget:
 class Controller:
     """One controller: its gangs (admission.py), programs, and every remote array."""
 
-    def __init__(self, *, nodes: Callable[[], list[dict[str, Any]]] | None = None,
-                 simulated: bool = False, worker_window: int = 3, grace_s: float = 30.0
-                 ) -> None:
+    def __init__(
+        self,
+        *,
+        nodes: Callable[[], list[dict[str, Any]]] | None = None,
+        simulated: bool = False,
+        worker_window: int = 3,
+        grace_s: float = 30.0,
+    ) -> None:
         self.simulated = simulated
         self.started_at = time.time()
         self.programs = ProgramRegistry()
         self.arrays = ArrayTable()
         self.spans = SpanRecorder()
-        self.manager = GangManager(nodes or _ray_nodes, worker_window=worker_window,
-                                   spans=self.spans, grace_s=grace_s,
-                                   on_released=self._gang_stopped)
+        self.manager = GangManager(
+            nodes or _ray_nodes,
+            worker_window=worker_window,
+            spans=self.spans,
+            grace_s=grace_s,
+            on_released=self._gang_stopped,
+        )
         # Worker timelines of released gangs, so a trace can still be taken afterwards.
         self._archived_spans: OrderedDict[str, list[tuple[str, list[Span]]]] = OrderedDict()
         self._gauges: asyncio.Task[None] | None = None
@@ -115,21 +124,24 @@ class Controller:
 
     # -- gangs ----------------------------------------------------------------------
 
-    async def allocate(self, num_slices: int, slice_type_name: str, **kwargs: Any
-                       ) -> tuple[Gang, str]:
+    async def allocate(
+        self, num_slices: int, slice_type_name: str, **kwargs: Any
+    ) -> tuple[Gang, str]:
         """Admits and starts a gang; returns it and the id its caller uses (see
         GangManager.allocate for the options)."""
         result = await self.manager.allocate(num_slices, slice_type_name, **kwargs)
         self._update_gauges()
         return result
 
-    async def release(self, gang_id: str, why: str = "was released", *,
-                      requeue: bool = False) -> None:
+    async def release(
+        self, gang_id: str, why: str = "was released", *, requeue: bool = False
+    ) -> None:
         gang, attachment = self.manager.resolve(gang_id, usable=False)
         if requeue and gang.state is not GangState.PREEMPTING:
             raise FailedPreconditionError(
                 f"gang {gang_id} is not being preempted; only a preempted gang can yield and "
-                "stay queued (release it instead)")
+                "stay queued (release it instead)"
+            )
         if not attachment or len(gang.attachments) == 1:
             self._archived_spans[gang.gang_id] = await gang.collect_spans(timeout_s=5.0)
             while len(self._archived_spans) > 32:
@@ -144,8 +156,13 @@ class Controller:
     def get_gang(self, gang_id: str, *, usable: bool = True) -> Gang:
         return self.manager.get(gang_id, usable=usable)
 
-    def _submit(self, gang: Gang, client: str, build: Callable[[int], Any],
-                needs: Sequence[ArrayRecord | Ticket] = ()) -> Ticket:
+    def _submit(
+        self,
+        gang: Gang,
+        client: str,
+        build: Callable[[int], Any],
+        needs: Sequence[ArrayRecord | Ticket] = (),
+    ) -> Ticket:
         """Queues an operation for `client` of the gang, numbered only after everything in
         `needs` (the records it reads, the program load it runs) has been numbered: on a
         shared gang another client's upload may still wait behind this client's work."""
@@ -161,8 +178,9 @@ class Controller:
 
     # -- programs -------------------------------------------------------------------
 
-    async def register_program(self, gang_id: str, name: str, mesh: MeshSpec,
-                               serialized: bytes) -> Program:
+    async def register_program(
+        self, gang_id: str, name: str, mesh: MeshSpec, serialized: bytes
+    ) -> Program:
         gang, client = self.manager.resolve(gang_id)
         mesh.check_fits(gang.shape)
         program_id = program_id_of(serialized, mesh)
@@ -179,17 +197,23 @@ class Controller:
         ticket = gang.loaded_programs.get(program.program_id)
         if ticket is None:
             ticket = gang.loaded_programs[program.program_id] = self._submit(
-                gang, client, lambda seq: LoadOp(seq, program.program_id, program.serialized,
-                                                 program.mesh, program.name))
+                gang,
+                client,
+                lambda seq: LoadOp(
+                    seq, program.program_id, program.serialized, program.mesh, program.name
+                ),
+            )
         return ticket
 
-    def execute(self, gang_id: str, program_id: str, inputs: Sequence[str]
-                ) -> tuple[int, list[ArrayRecord]]:
+    def execute(
+        self, gang_id: str, program_id: str, inputs: Sequence[str]
+    ) -> tuple[int, list[ArrayRecord]]:
         """Queues a program call; returns its sequence number and pending outputs."""
         return self.execute_batch(gang_id, [(program_id, inputs)])[0]
 
-    def execute_batch(self, gang_id: str, calls: Sequence[tuple[str, Sequence[str]]]
-                      ) -> list[tuple[int, list[ArrayRecord]]]:
+    def execute_batch(
+        self, gang_id: str, calls: Sequence[tuple[str, Sequence[str]]]
+    ) -> list[tuple[int, list[ArrayRecord]]]:
         """Queues several calls; an input "@K:I" is output I of call K of this batch.
 
         Every call is checked before any is queued, so a bad call queues nothing.
@@ -213,8 +237,9 @@ class Controller:
             results.append((ticket.seq, outputs))
         return results
 
-    def call(self, gang_id: str, program_id: str, inputs: Sequence[str],
-             report: Sequence[int] = ()) -> tuple[Ticket, list[ArrayRecord]]:
+    def call(
+        self, gang_id: str, program_id: str, inputs: Sequence[str], report: Sequence[int] = ()
+    ) -> tuple[Ticket, list[ArrayRecord]]:
         """Queues one call from inside the controller (e.g. a job's step); the values of
         the outputs at `report` (small, replicated) come back on the ticket when it is
         done, with no fetch."""
@@ -222,28 +247,40 @@ class Controller:
         program = self.programs.get(program_id)
         return self._queue_call(gang, client, program, tuple(inputs), tuple(report))
 
-    def _queue_call(self, gang: Gang, client: str, program: Program, handles: tuple[str, ...],
-                    report: tuple[int, ...] = ()) -> tuple[Ticket, list[ArrayRecord]]:
+    def _queue_call(
+        self,
+        gang: Gang,
+        client: str,
+        program: Program,
+        handles: tuple[str, ...],
+        report: tuple[int, ...] = (),
+    ) -> tuple[Ticket, list[ArrayRecord]]:
         loaded = self._ensure_loaded(gang, client, program)
         outputs = [self.arrays.new(gang.gang_id, spec) for spec in program.outputs]
         ticket = self._submit(
-            gang, client, _marking(outputs, lambda seq: ExecOp(
-                seq, program.program_id, handles, tuple(r.handle for r in outputs), report)),
-            needs=[loaded, *(self.arrays.get(h) for h in handles)])
-        ticket.done.add_done_callback(
-            lambda f: self._executed(gang, client, outputs, f.result()))
+            gang,
+            client,
+            _marking(
+                outputs,
+                lambda seq: ExecOp(
+                    seq, program.program_id, handles, tuple(r.handle for r in outputs), report
+                ),
+            ),
+            needs=[loaded, *(self.arrays.get(h) for h in handles)],
+        )
+        ticket.done.add_done_callback(lambda f: self._executed(gang, client, outputs, f.result()))
         return ticket, outputs
 
     @staticmethod
-    def _executed(gang: Gang, client: str, outputs: list[ArrayRecord], error: str | None
-                  ) -> None:
+    def _executed(gang: Gang, client: str, outputs: list[ArrayRecord], error: str | None) -> None:
         for r in outputs:
             r.settle(error)
         if error is None:
             gang.programs_run[client] += 1
 
-    def _input_spec(self, handle: str, gang_id: str, plan: list[tuple[Program, list[str]]]
-                    ) -> ArraySpec:
+    def _input_spec(
+        self, handle: str, gang_id: str, plan: list[tuple[Program, list[str]]]
+    ) -> ArraySpec:
         if not handle.startswith("@"):
             return self._usable_array(handle, gang_id).spec
         k, i = _batch_ref(handle)
@@ -291,36 +328,66 @@ class Controller:
         key = uuid.uuid4().hex
         try:
             await gang.stage(key, array, [indices[p] for p in range(gang.shape.num_processes)])
-            log.debug("put %s: sent to %d workers in %.3f s", spec, gang.shape.num_processes,
-                      time.perf_counter() - started)
+            log.debug(
+                "put %s: sent to %d workers in %.3f s",
+                spec,
+                gang.shape.num_processes,
+                time.perf_counter() - started,
+            )
         except TransportError as exc:
             raise WorkerError(f"uploading to gang {gang.gang_id} failed: {exc}") from exc
         metrics.BYTES.labels("put").inc(spec.nbytes)
-        self.spans.record("send pieces", "transfer", started_us(started), trace_now_us(),
-                          thread=f"gang {gang.gang_id}", gang=gang.gang_id, bytes=spec.nbytes)
+        self.spans.record(
+            "send pieces",
+            "transfer",
+            started_us(started),
+            trace_now_us(),
+            thread=f"gang {gang.gang_id}",
+            gang=gang.gang_id,
+            bytes=spec.nbytes,
+        )
         record = self.arrays.new(gang.gang_id, spec, target.sharding)
-        ticket = self._submit(gang, target.client, _marking([record], lambda seq: PutOp(
-            seq, record.handle, spec.shape, spec.dtype, target.sharding, key)))
+        ticket = self._submit(
+            gang,
+            target.client,
+            _marking(
+                [record],
+                lambda seq: PutOp(seq, record.handle, spec.shape, spec.dtype, target.sharding, key),
+            ),
+        )
         ticket.done.add_done_callback(lambda f: record.settle(f.result()))
         return record
 
-    async def put_array(self, gang_id: str, array: np.ndarray, sharding: ShardingSpec
-                        ) -> ArrayRecord:
+    async def put_array(
+        self, gang_id: str, array: np.ndarray, sharding: ShardingSpec
+    ) -> ArrayRecord:
         """Uploads an array from inside the controller (e.g. a job's PRNG key)."""
         array = np.require(array, requirements="C")
         target = self.begin_put(gang_id, ArraySpec.of(array.shape, array.dtype), sharding)
         target.buffer[:] = array.reshape(-1).view(np.uint8)
         return await self.finish_put(target)
 
-    def load_batch(self, gang_id: str, program: str, overrides: tuple[tuple[str, str], ...],
-                   step: int, sharding: ShardingSpec, specs: Sequence[ArraySpec]) -> list[str]:
+    def load_batch(
+        self,
+        gang_id: str,
+        program: str,
+        overrides: tuple[tuple[str, str], ...],
+        step: int,
+        sharding: ShardingSpec,
+        specs: Sequence[ArraySpec],
+    ) -> list[str]:
         """Queues "build your rows of the batch of `step`" on every worker of the gang;
         returns the handles of the batch fields (in sorted field order)."""
         gang, client = self.manager.resolve(gang_id)
         records = [self.arrays.new(gang.gang_id, spec, sharding) for spec in specs]
         handles = tuple(r.handle for r in records)
-        ticket = self._submit(gang, client, _marking(records, lambda seq: BatchOp(
-            seq, program, overrides, step, sharding, handles)))
+        ticket = self._submit(
+            gang,
+            client,
+            _marking(
+                records, lambda seq: BatchOp(seq, program, overrides, step, sharding, handles)
+            ),
+        )
         ticket.done.add_done_callback(lambda f: [r.settle(f.result()) for r in records])
         return list(handles)
 
@@ -350,18 +417,31 @@ class Controller:
             ) from None
         result = await asyncio.to_thread(_assemble, record.spec, pieces)
         metrics.BYTES.labels("fetch").inc(record.spec.nbytes)
-        self.spans.record("gather pieces", "transfer", started_us(pinned), trace_now_us(),
-                          thread=f"gang {gang.gang_id}", gang=gang.gang_id,
-                          bytes=record.spec.nbytes)
-        log.debug("fetch %s (%s): pin %.3f s, read %.3f s, assemble %.3f s", handle, record.spec,
-                  pinned - started, read - pinned, time.perf_counter() - read)
+        self.spans.record(
+            "gather pieces",
+            "transfer",
+            started_us(pinned),
+            trace_now_us(),
+            thread=f"gang {gang.gang_id}",
+            gang=gang.gang_id,
+            bytes=record.spec.nbytes,
+        )
+        log.debug(
+            "fetch %s (%s): pin %.3f s, read %.3f s, assemble %.3f s",
+            handle,
+            record.spec,
+            pinned - started,
+            read - pinned,
+            time.perf_counter() - read,
+        )
         return record, result
 
     async def wait(self, handles: Sequence[str], timeout_s: float) -> list[ArrayRecord]:
         """Waits until the arrays settle or `timeout_s` passes; returns them either way."""
         records = [self.arrays.get(h) for h in handles]
-        pending = [asyncio.ensure_future(r.settled.wait())
-                   for r in records if not r.settled.is_set()]
+        pending = [
+            asyncio.ensure_future(r.settled.wait()) for r in records if not r.settled.is_set()
+        ]
         if pending:
             _, still = await asyncio.wait(pending, timeout=timeout_s or None)
             for task in still:
@@ -398,7 +478,6 @@ class Controller:
         return chrome_trace([("controller", mine), *hosts])
 
 
-
 def _numbered(need: ArrayRecord | Ticket) -> bool:
     return need.numbered if isinstance(need, ArrayRecord) else need.seq > 0
 
@@ -406,15 +485,18 @@ def _numbered(need: ArrayRecord | Ticket) -> bool:
 def _marking(records: Sequence[ArrayRecord], build: Callable[[int], Any]) -> Callable[[int], Any]:
     """`build`, also marking the records it produces as numbered when it runs (which is
     when the operation gets its place in the gang's order)."""
+
     def numbered_build(seq: int) -> Any:
         for r in records:
             r.numbered = True
         return build(seq)
+
     return numbered_build
 
 
-def _assemble(spec: ArraySpec, pieces: list[list[tuple[tuple[slice, ...], np.ndarray]]]
-              ) -> np.ndarray:
+def _assemble(
+    spec: ArraySpec, pieces: list[list[tuple[tuple[slice, ...], np.ndarray]]]
+) -> np.ndarray:
     out = np.empty(spec.shape, dtype=dtype_of(spec.dtype))
     covered = 0
     for worker_pieces in pieces:

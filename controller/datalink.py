@@ -31,9 +31,11 @@ def put(address: str, key: str, pieces: Pieces) -> None:
     """Sends pieces of an array to the worker at `address`, to be stored under `key`."""
     with _connect(address) as sock:
         try:
-            send_header(sock, {"op": "put", "key": key,
-                               "pieces": [piece_meta(i, a) for i, a in pieces]},
-                        [a for _, a in pieces])
+            send_header(
+                sock,
+                {"op": "put", "key": key, "pieces": [piece_meta(i, a) for i, a in pieces]},
+                [a for _, a in pieces],
+            )
             reply = recv_header(sock)
         except OSError as exc:
             raise TransportError(f"sending {key} to {address} failed: {exc}") from exc

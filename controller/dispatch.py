@@ -66,10 +66,18 @@ class GangBrokenError(RuntimeError):
 class Dispatcher:
     """Sequence numbering, batched delivery and completion tracking for one gang."""
 
-    def __init__(self, send: Send, poll: Poll, num_workers: int, *, max_batch: int = 128,
-                 max_in_flight: int = 32, max_sends: int = 1,
-                 on_broken: Callable[[str], None] | None = None,
-                 observer: Observer | None = None) -> None:
+    def __init__(
+        self,
+        send: Send,
+        poll: Poll,
+        num_workers: int,
+        *,
+        max_batch: int = 128,
+        max_in_flight: int = 32,
+        max_sends: int = 1,
+        on_broken: Callable[[str], None] | None = None,
+        observer: Observer | None = None,
+    ) -> None:
         self._send = send
         self._poll = poll
         self._num_workers = num_workers
@@ -93,8 +101,13 @@ class Dispatcher:
         self.completed = 0
         self.most_in_flight = 0
 
-    def submit(self, build: Callable[[int], Op | Sequence[Op]], *, client: str = "",
-               ready: Callable[[], bool] | None = None) -> Ticket:
+    def submit(
+        self,
+        build: Callable[[int], Op | Sequence[Op]],
+        *,
+        client: str = "",
+        ready: Callable[[], bool] | None = None,
+    ) -> Ticket:
         """Queues the operation `build(seq)` will build once it is numbered.
 
         Operations of one client keep their order; clients of a shared gang are interleaved
@@ -177,15 +190,21 @@ class Dispatcher:
             await self._wake.wait()
             self._wake.clear()
             while self._numbered and self._sending < self._max_sends:
-                batch = [self._numbered.popleft()
-                         for _ in range(min(self._max_batch, len(self._numbered)))]
+                batch = [
+                    self._numbered.popleft()
+                    for _ in range(min(self._max_batch, len(self._numbered)))
+                ]
                 self._sending += 1
                 self._spawn(self._deliver(batch))
 
     async def _deliver(self, batch: list[Ticket]) -> None:
         try:
-            await asyncio.gather(*(self._send(w, [item.op_for(w) for item in batch])
-                                   for w in range(self._num_workers)))
+            await asyncio.gather(
+                *(
+                    self._send(w, [item.op_for(w) for item in batch])
+                    for w in range(self._num_workers)
+                )
+            )
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # noqa: BLE001 - a worker died or the transport broke

@@ -81,8 +81,16 @@ def worker_name(gang_id: str, epoch: int, process_id: int) -> str:
 class Gang:
     """Everything the controller holds for one gang."""
 
-    def __init__(self, gang_id: str, client: str, stype: SliceType, slices: Sequence[Slice],
-                 *, window: int = 3, spans: SpanRecorder | None = None) -> None:
+    def __init__(
+        self,
+        gang_id: str,
+        client: str,
+        stype: SliceType,
+        slices: Sequence[Slice],
+        *,
+        window: int = 3,
+        spans: SpanRecorder | None = None,
+    ) -> None:
         self.gang_id = gang_id
         self.client = client
         self.slice_type = stype
@@ -111,10 +119,14 @@ class Gang:
         self._watchers: set[asyncio.Queue[tuple[str, str]]] = set()
 
     def _new_dispatcher(self) -> Dispatcher:
-        return Dispatcher(self._send, self._poll, self.shape.num_processes,
-                          max_in_flight=SHARED_IN_FLIGHT if self.shared_name
-                          else EXCLUSIVE_IN_FLIGHT,
-                          on_broken=self._on_broken, observer=self._observe)
+        return Dispatcher(
+            self._send,
+            self._poll,
+            self.shape.num_processes,
+            max_in_flight=SHARED_IN_FLIGHT if self.shared_name else EXCLUSIVE_IN_FLIGHT,
+            on_broken=self._on_broken,
+            observer=self._observe,
+        )
 
     def share(self, name: str) -> None:
         """Makes this the shared gang `name` that several clients attach to."""
@@ -141,8 +153,7 @@ class Gang:
 
     # -- start ----------------------------------------------------------------------
 
-    async def start(self, timeout_s: float, lost: Callable[[], str | None] = lambda: None
-                    ) -> None:
+    async def start(self, timeout_s: float, lost: Callable[[], str | None] = lambda: None) -> None:
         """Reserves the slices, starts the workers and forms the jax.distributed cluster.
 
         All or nothing: on any failure every placement group and worker created so far
@@ -160,8 +171,10 @@ class Gang:
         self.loaded_programs.clear()
         try:
             await asyncio.wait_for(self._watched(self._reserve(), lost), timeout_s)
-            await asyncio.wait_for(self._watched(self._form(), lost),
-                                   max(30.0, timeout_s - (time.monotonic() - started)))
+            await asyncio.wait_for(
+                self._watched(self._form(), lost),
+                max(30.0, timeout_s - (time.monotonic() - started)),
+            )
         except BaseException as exc:
             await self.stop()
             self.state = GangState.FAILED
@@ -174,13 +187,19 @@ class Gang:
                     "or gone"
                 ) from None
             if isinstance(exc, Exception):
-                raise WorkerError(f"gang {self.gang_id} failed to start: "
-                                  f"{type(exc).__name__}: {exc}") from exc
+                raise WorkerError(
+                    f"gang {self.gang_id} failed to start: {type(exc).__name__}: {exc}"
+                ) from exc
             raise
         self.state = GangState.READY
-        log.info("gang %s ready: %d slice(s) %s, %d workers, in %.1f s", self.gang_id,
-                 len(self.slices), [s.name for s in self.slices], len(self._workers),
-                 time.monotonic() - started)
+        log.info(
+            "gang %s ready: %d slice(s) %s, %d workers, in %.1f s",
+            self.gang_id,
+            len(self.slices),
+            [s.name for s in self.slices],
+            len(self._workers),
+            time.monotonic() - started,
+        )
 
     async def _watched(self, work: Any, lost: Callable[[], str | None]) -> None:
         """Runs `work`, giving up as soon as a slice of the gang is lost."""
@@ -191,15 +210,20 @@ class Gang:
                 name = None if task.done() else lost()
                 if name is not None:
                     task.cancel()
-                    raise SliceLostError(f"slice {name} lost a host while gang {self.gang_id} "
-                                         "was starting on it")
+                    raise SliceLostError(
+                        f"slice {name} lost a host while gang {self.gang_id} was starting on it"
+                    )
             task.result()
         finally:
             if not task.done():
                 task.cancel()
 
-    async def restart(self, slices: Sequence[Slice], timeout_s: float,
-                      lost: Callable[[], str | None] = lambda: None) -> None:
+    async def restart(
+        self,
+        slices: Sequence[Slice],
+        timeout_s: float,
+        lost: Callable[[], str | None] = lambda: None,
+    ) -> None:
         """Starts the gang again (after preemption) on `slices`, with new workers: its
         arrays are gone; programs are loaded again on first use."""
         await self.stop()
@@ -224,9 +248,14 @@ class Gang:
                 selectors.append({SLICE_NAME_LABEL: s.name, WORKER_ID_LABEL: str(h)})
         if _failpoint("reserve_delay_s"):
             await asyncio.sleep(_failpoint("reserve_delay_s"))  # see _failpoint
-        self._placement_groups.append(placement_group(
-            bundles, strategy="STRICT_SPREAD", name=f"slicewise-{self.gang_id}-e{self.epoch}",
-            bundle_label_selector=selectors))
+        self._placement_groups.append(
+            placement_group(
+                bundles,
+                strategy="STRICT_SPREAD",
+                name=f"slicewise-{self.gang_id}-e{self.epoch}",
+                bundle_label_selector=selectors,
+            )
+        )
         await self._placement_groups[0].ready()
 
     async def _form(self) -> None:
@@ -241,34 +270,58 @@ class Gang:
         (pg,) = self._placement_groups
         for s_index, s in enumerate(self.slices):
             for h in range(s.type.hosts):
-                placement = HostPlacement(s_index, h, len(self.slices), s.type.hosts,
-                                          s.type.chips_per_host)
-                env = (simulated_host_env(placement) if self.simulated
-                       else tpu_host_env(placement, head.address))
-                self._workers.append(remote_cls.options(
-                    num_cpus=0,
-                    resources={"TPU": float(s.type.chips_per_host)},
-                    scheduling_strategy=PlacementGroupSchedulingStrategy(
-                        pg, placement_group_bundle_index=placement.process_id),
-                    runtime_env={"env_vars": env},
-                    max_concurrency=_WORKER_THREADS,
-                    max_restarts=0,
-                    name=worker_name(self.gang_id, self.epoch, placement.process_id),
-                ).remote(self.gang_id, self.shape, placement.process_id, window=self._window,
-                         token=token))
+                placement = HostPlacement(
+                    s_index, h, len(self.slices), s.type.hosts, s.type.chips_per_host
+                )
+                env = (
+                    simulated_host_env(placement)
+                    if self.simulated
+                    else tpu_host_env(placement, head.address)
+                )
+                self._workers.append(
+                    remote_cls.options(
+                        num_cpus=0,
+                        resources={"TPU": float(s.type.chips_per_host)},
+                        scheduling_strategy=PlacementGroupSchedulingStrategy(
+                            pg, placement_group_bundle_index=placement.process_id
+                        ),
+                        runtime_env={"env_vars": env},
+                        max_concurrency=_WORKER_THREADS,
+                        max_restarts=0,
+                        name=worker_name(self.gang_id, self.epoch, placement.process_id),
+                    ).remote(
+                        self.gang_id,
+                        self.shape,
+                        placement.process_id,
+                        window=self._window,
+                        token=token,
+                    )
+                )
         coordinator = await self._workers[0].free_address.remote(head.address)
-        infos = await asyncio.gather(*(
-            w.initialize.remote(
-                coordinator, self.epoch, partition_index=i // self.shape.hosts_per_slice,
-                bind_address=coordinator if self.simulated else None, timeout_s=120)
-            for i, w in enumerate(self._workers)
-        ))
+        infos = await asyncio.gather(
+            *(
+                w.initialize.remote(
+                    coordinator,
+                    self.epoch,
+                    partition_index=i // self.shape.hosts_per_slice,
+                    bind_address=coordinator if self.simulated else None,
+                    timeout_s=120,
+                )
+                for i, w in enumerate(self._workers)
+            )
+        )
         self.platform = infos[0]["platform"]
-        self.data_addresses = list(await asyncio.gather(
-            *(w.data_address.remote() for w in self._workers)))
-        self._channels = list(await asyncio.gather(*(
-            ControllerEnd.connect(address, token, self.epoch, self.describe_process(p))
-            for p, address in enumerate(self.data_addresses))))
+        self.data_addresses = list(
+            await asyncio.gather(*(w.data_address.remote() for w in self._workers))
+        )
+        self._channels = list(
+            await asyncio.gather(
+                *(
+                    ControllerEnd.connect(address, token, self.epoch, self.describe_process(p))
+                    for p, address in enumerate(self.data_addresses)
+                )
+            )
+        )
 
     # -- running --------------------------------------------------------------------
 
@@ -293,48 +346,70 @@ class Gang:
             self.failure = reason
             self.publish("failed", reason)
 
-    def _observe(self, kind: str, seq: int, queued_ns: int, settled_ns: int,
-                 error: str | None) -> None:
+    def _observe(
+        self, kind: str, seq: int, queued_ns: int, settled_ns: int, error: str | None
+    ) -> None:
         metrics.OPERATIONS.labels(kind).inc()
         metrics.DISPATCH_SECONDS.labels(kind).observe((settled_ns - queued_ns) / 1e9)
         if error:
             metrics.FAILURES.labels("operation").inc()
-        self.spans.record(f"dispatch {kind}", "dispatch", queued_ns // 1000, settled_ns // 1000,
-                          thread=f"gang {self.gang_id}", gang=self.gang_id, seq=seq,
-                          **({"error": error} if error else {}))
+        self.spans.record(
+            f"dispatch {kind}",
+            "dispatch",
+            queued_ns // 1000,
+            settled_ns // 1000,
+            thread=f"gang {self.gang_id}",
+            gang=self.gang_id,
+            seq=seq,
+            **({"error": error} if error else {}),
+        )
 
     def process_names(self) -> list[str]:
-        return [f"{self.describe_process(p)} (process {p})"
-                for p in range(self.shape.num_processes)]
+        return [
+            f"{self.describe_process(p)} (process {p})" for p in range(self.shape.num_processes)
+        ]
 
     async def collect_spans(self, timeout_s: float = 10.0) -> list[tuple[str, list[Span]]]:
         """Every worker's spans, named by host; workers that do not answer are skipped."""
-        replies = await asyncio.gather(*(
-            asyncio.wait_for(w.trace_spans.remote(), timeout_s) for w in self._workers),
-            return_exceptions=True)
-        return [(name, spans) for name, spans in zip(self.process_names(), replies, strict=True)
-                if not isinstance(spans, BaseException)]
+        replies = await asyncio.gather(
+            *(asyncio.wait_for(w.trace_spans.remote(), timeout_s) for w in self._workers),
+            return_exceptions=True,
+        )
+        return [
+            (name, spans)
+            for name, spans in zip(self.process_names(), replies, strict=True)
+            if not isinstance(spans, BaseException)
+        ]
 
-    async def stage(self, key: str, array: np.ndarray, indices: Sequence[Sequence[Index]]
-                    ) -> None:
+    async def stage(self, key: str, array: np.ndarray, indices: Sequence[Sequence[Index]]) -> None:
         """Sends every worker its pieces of `array` over the data ports, all in parallel
         (each worker's thread cuts its own pieces, so copying overlaps sending)."""
 
         def send(address: str, mine: Sequence[Index]) -> None:
             datalink.put(address, key, [(i, np.asarray(array[i], order="C")) for i in mine])
 
-        await asyncio.gather(*(
-            asyncio.to_thread(send, address, mine)
-            for address, mine in zip(self.data_addresses, indices, strict=True)))
+        await asyncio.gather(
+            *(
+                asyncio.to_thread(send, address, mine)
+                for address, mine in zip(self.data_addresses, indices, strict=True)
+            )
+        )
 
     async def read(self, pin_id: str) -> list[Pieces]:
         """Every worker's distinct pieces of a pinned array."""
-        return list(await asyncio.gather(*(
-            asyncio.to_thread(datalink.get, address, pin_id) for address in self.data_addresses)))
+        return list(
+            await asyncio.gather(
+                *(
+                    asyncio.to_thread(datalink.get, address, pin_id)
+                    for address in self.data_addresses
+                )
+            )
+        )
 
     async def drop_pin(self, pin_id: str) -> None:
-        await asyncio.gather(*(w.drop_pin.remote(pin_id) for w in self._workers),
-                             return_exceptions=True)
+        await asyncio.gather(
+            *(w.drop_pin.remote(pin_id) for w in self._workers), return_exceptions=True
+        )
 
     async def worker_stats(self) -> list[dict[str, Any]]:
         return list(await asyncio.gather(*(w.stats.remote() for w in self._workers)))

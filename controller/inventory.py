@@ -88,8 +88,13 @@ def slices_from_nodes(nodes: Iterable[Mapping[str, Any]]) -> dict[str, Slice]:
     return slices
 
 
-def check_can_ever_fit(slices: Mapping[str, Slice], num_slices: int,
-                       stype: SliceType | Sequence[SliceType], *, same_type: bool = True) -> None:
+def check_can_ever_fit(
+    slices: Mapping[str, Slice],
+    num_slices: int,
+    stype: SliceType | Sequence[SliceType],
+    *,
+    same_type: bool = True,
+) -> None:
     """Raises CapacityError when no amount of waiting could admit the request.
 
     Broken and held slices count, since hosts come back and gangs end. With `same_type`
@@ -114,8 +119,11 @@ def check_can_ever_fit(slices: Mapping[str, Slice], num_slices: int,
             "or for a slice type the cluster has"
         )
     names = ", ".join(t.name for t in types)
-    asked = (f"{num_slices} slices of one type among {names}" if same_type
-             else f"{num_slices} slices of {names} (types may mix)")
+    asked = (
+        f"{num_slices} slices of one type among {names}"
+        if same_type
+        else f"{num_slices} slices of {names} (types may mix)"
+    )
     raise CapacityError(
         f"asked for {asked} but the whole cluster has "
         + ", ".join(f"{n} {t.name}" for t, n in zip(types, of_type, strict=True))

@@ -62,8 +62,12 @@ _ALLOWED: dict[JobState, set[JobState]] = {
     JobState.QUEUED: {JobState.ADMITTED, JobState.FAILED, JobState.CANCELLED},
     JobState.ADMITTED: {JobState.STARTING, JobState.FAILED, JobState.CANCELLED},
     JobState.STARTING: {JobState.RUNNING, JobState.FAILED, JobState.CANCELLED},
-    JobState.RUNNING: {JobState.SUCCEEDED, JobState.FAILED, JobState.CANCELLED,
-                       JobState.RECOVERING},
+    JobState.RUNNING: {
+        JobState.SUCCEEDED,
+        JobState.FAILED,
+        JobState.CANCELLED,
+        JobState.RECOVERING,
+    },
     JobState.RECOVERING: {JobState.STARTING, JobState.FAILED, JobState.CANCELLED},
     JobState.SUCCEEDED: set(),
     JobState.FAILED: set(),
@@ -100,7 +104,8 @@ class JobSpec:
                 raise InvalidRequestError(
                     f"mesh axis {name!r} has no role; name training mesh axes "
                     f"{DATA_AXIS!r} (data parallel), {FSDP_AXIS!r} (FSDP) or {TENSOR_AXIS!r} "
-                    "(tensor parallel)")
+                    "(tensor parallel)"
+                )
 
     def mesh_for(self, gang: GangShape) -> MeshSpec:
         """The job's mesh on a gang; by default data parallel across slices (DCN) and FSDP
@@ -113,10 +118,16 @@ class JobSpec:
         return mesh
 
     def to_json(self) -> dict[str, Any]:
-        return {"program": self.program, "num_slices": self.num_slices,
-                "slice_type": self.slice_type, "steps": self.steps,
-                "overrides": dict(self.overrides), "mesh": [list(a) for a in self.mesh],
-                "client": self.client, "gang_id": self.gang_id}
+        return {
+            "program": self.program,
+            "num_slices": self.num_slices,
+            "slice_type": self.slice_type,
+            "steps": self.steps,
+            "overrides": dict(self.overrides),
+            "mesh": [list(a) for a in self.mesh],
+            "client": self.client,
+            "gang_id": self.gang_id,
+        }
 
 
 @dataclass
@@ -147,8 +158,13 @@ class Job:
             InvalidTransitionError: the table does not allow it.
         """
         if epoch is not None and epoch != self.epoch:
-            log.info("job %s: ignoring %s from epoch %d (now %d)", self.job_id, new.value,
-                     epoch, self.epoch)
+            log.info(
+                "job %s: ignoring %s from epoch %d (now %d)",
+                self.job_id,
+                new.value,
+                epoch,
+                self.epoch,
+            )
             return
         if new not in _ALLOWED[self.state]:
             raise InvalidTransitionError(f"job {self.job_id}: {self.state.value} -> {new.value}")
@@ -172,15 +188,22 @@ class JobRunner:
         self._next = journal.next_job_number()
         for record in journal.jobs():  # jobs of an earlier run of this controller
             spec = record["spec"]
-            job = Job(record["job_id"], _spec_from_json(spec), JobState(record["state"]),
-                      record["step"], record["gang_id"], record["error"], record["epoch"],
-                      record["flops_per_step"], created_at=record["created_at"],
-                      updated_at=record["updated_at"])
+            job = Job(
+                record["job_id"],
+                _spec_from_json(spec),
+                JobState(record["state"]),
+                record["step"],
+                record["gang_id"],
+                record["error"],
+                record["epoch"],
+                record["flops_per_step"],
+                created_at=record["created_at"],
+                updated_at=record["updated_at"],
+            )
             job.recent.extend(journal.steps(job.job_id, since=max(0, job.step - 200)))
             if not job.state.terminal:
                 job.state, job.error = JobState.FAILED, "the controller restarted"
-                journal.update_job(job.job_id, time.time(), state=job.state.value,
-                                   error=job.error)
+                journal.update_job(job.job_id, time.time(), state=job.state.value, error=job.error)
             self.jobs[job.job_id] = job
 
     # -- API --------------------------------------------------------------------------
@@ -197,11 +220,18 @@ class JobRunner:
         job = Job(f"j{self._next}", spec)
         self._next += 1
         self.jobs[job.job_id] = job
-        self.journal.add_job(job.job_id, self._next - 1, spec.to_json(), job.state.value,
-                             job.created_at)
+        self.journal.add_job(
+            job.job_id, self._next - 1, spec.to_json(), job.state.value, job.created_at
+        )
         job.task = asyncio.create_task(self._run(job), name=f"job-{job.job_id}")
-        log.info("job %s submitted: %s on %d x %s for %d steps", job.job_id, spec.program,
-                 spec.num_slices, spec.slice_type, spec.steps)
+        log.info(
+            "job %s submitted: %s on %d x %s for %d steps",
+            job.job_id,
+            spec.program,
+            spec.num_slices,
+            spec.slice_type,
+            spec.steps,
+        )
         return job
 
     def _check_gang_free(self, gang_id: str) -> None:
@@ -209,18 +239,21 @@ class JobRunner:
         if gang.shared_name or "@" in gang_id:
             raise InvalidRequestError(
                 f"gang {gang_id} is shared; a job runs on a gang of its own (allocate one, or "
-                "let the job allocate it)")
+                "let the job allocate it)"
+            )
         for other in self.jobs.values():
             if not other.state.terminal and gang.gang_id in (other.gang_id, other.spec.gang_id):
                 raise FailedPreconditionError(
                     f"gang {gang_id} is already running job {other.job_id}; wait for it or "
-                    f"cancel it (`slicewise cancel {other.job_id}`)")
+                    f"cancel it (`slicewise cancel {other.job_id}`)"
+                )
 
     def get(self, job_id: str) -> Job:
         job = self.jobs.get(job_id)
         if job is None:
-            raise NotFoundError(f"job {job_id!r} is unknown to this controller; "
-                                "`slicewise jobs` lists the jobs")
+            raise NotFoundError(
+                f"job {job_id!r} is unknown to this controller; `slicewise jobs` lists the jobs"
+            )
         return job
 
     def cancel(self, job_id: str) -> Job:
@@ -261,8 +294,7 @@ class JobRunner:
 
     # -- the step loop -----------------------------------------------------------------
 
-    def _publish(self, job: Job, steps: list[StepRecord] | None = None, message: str = ""
-                 ) -> None:
+    def _publish(self, job: Job, steps: list[StepRecord] | None = None, message: str = "") -> None:
         event = {"job": job, "steps": steps or [], "message": message}
         for queue in list(job.watchers):
             if queue.full():  # a watcher that does not read must not hold up the job
@@ -271,8 +303,14 @@ class JobRunner:
 
     def _move(self, job: Job, state: JobState, message: str = "") -> None:
         job.transition(state)
-        self.journal.update_job(job.job_id, job.updated_at, state=state.value, epoch=job.epoch,
-                                error=job.error, gang_id=job.gang_id)
+        self.journal.update_job(
+            job.job_id,
+            job.updated_at,
+            state=state.value,
+            epoch=job.epoch,
+            error=job.error,
+            gang_id=job.gang_id,
+        )
         log.info("job %s %s%s", job.job_id, state.value, f": {message}" if message else "")
         self._publish(job, message=message or state.value)
 
@@ -283,12 +321,17 @@ class JobRunner:
         try:
             if owned:
                 gang, _ = await self.controller.allocate(
-                    job.spec.num_slices, job.spec.slice_type, client=f"job {job.job_id}")
+                    job.spec.num_slices, job.spec.slice_type, client=f"job {job.job_id}"
+                )
             else:
                 gang = self.controller.manager.get(job.spec.gang_id)
             job.gang_id = gang.gang_id
             set_log_context(gang=gang.gang_id)
-            self._move(job, JobState.ADMITTED, f"gang {gang.gang_id}: {', '.join(s.name for s in gang.slices)}")
+            self._move(
+                job,
+                JobState.ADMITTED,
+                f"gang {gang.gang_id}: {', '.join(s.name for s in gang.slices)}",
+            )
             self._move(job, JobState.STARTING)
             await self._train(job, gang)
             self._move(job, JobState.CANCELLED if job.cancel_requested else JobState.SUCCEEDED)
@@ -302,8 +345,9 @@ class JobRunner:
                 self._move(job, JobState.FAILED, job.error)
         finally:
             if owned and gang is not None and gang.gang_id in self.controller.gangs:
-                await self.controller.release(gang.gang_id, why=f"was released by job "
-                                                                f"{job.job_id} ({job.state.value})")
+                await self.controller.release(
+                    gang.gang_id, why=f"was released by job {job.job_id} ({job.state.value})"
+                )
 
     async def _train(self, job: Job, gang: Any) -> None:
         import jax
@@ -318,21 +362,28 @@ class JobRunner:
         abstract = mesh.abstract()
         names = mesh.names
         axes = ParallelAxes.for_mesh(
-            abstract, data=tuple(n for n in names if n == DATA_AXIS),
+            abstract,
+            data=tuple(n for n in names if n == DATA_AXIS),
             fsdp=FSDP_AXIS if FSDP_AXIS in names else None,
-            tensor=TENSOR_AXIS if TENSOR_AXIS in names else None)
+            tensor=TENSOR_AXIS if TENSOR_AXIS in names else None,
+        )
         init_art, step_art, flops = await asyncio.to_thread(
-            _export, make_flat_train_fns, program, config, abstract, axes, gang.platform)
+            _export, make_flat_train_fns, program, config, abstract, axes, gang.platform
+        )
         job.flops_per_step = flops
         self.journal.update_job(job.job_id, time.time(), flops_per_step=flops)
         init = await c.register_program(gang.gang_id, f"{spec.program}.init", mesh, init_art)
-        step_program = await c.register_program(gang.gang_id, f"{spec.program}.step", mesh,
-                                                step_art)
+        step_program = await c.register_program(
+            gang.gang_id, f"{spec.program}.step", mesh, step_art
+        )
         n_state = len(init.outputs)
-        batch_sharding = ShardingSpec(mesh, (tuple(n for n in names
-                                                   if n in (DATA_AXIS, FSDP_AXIS)),))
+        batch_sharding = ShardingSpec(
+            mesh, (tuple(n for n in names if n in (DATA_AXIS, FSDP_AXIS)),)
+        )
         batch_spec = program.batch_spec(config)
-        fields = [ArraySpec.of(batch_spec[k].shape, batch_spec[k].dtype) for k in sorted(batch_spec)]
+        fields = [
+            ArraySpec.of(batch_spec[k].shape, batch_spec[k].dtype) for k in sorted(batch_spec)
+        ]
         overrides = tuple(sorted(spec.overrides))
         key = np.asarray(jax.random.PRNGKey(program.seed(config)))
         key_record = await c.put_array(gang.gang_id, key, ShardingSpec(mesh, ()))
@@ -348,10 +399,15 @@ class JobRunner:
         for step in range(job.step, spec.steps):
             if job.cancel_requested:
                 break
-            batch = c.load_batch(gang.gang_id, spec.program, overrides, step, batch_sharding,
-                                 fields)
-            ticket, outs = c.call(gang.gang_id, step_program.program_id,
-                                  [*state_handles, *batch], report=[metrics_index])
+            batch = c.load_batch(
+                gang.gang_id, spec.program, overrides, step, batch_sharding, fields
+            )
+            ticket, outs = c.call(
+                gang.gang_id,
+                step_program.program_id,
+                [*state_handles, *batch],
+                report=[metrics_index],
+            )
             c.delete([*state_handles, *batch, outs[n_state].handle])
             state_handles = [r.handle for r in outs[:n_state]]
             pending.append((step, ticket, outs[n_state]))
@@ -361,8 +417,9 @@ class JobRunner:
             last_done = await self._record(job, *pending.popleft(), last_done, tokens)
         c.delete(state_handles)
 
-    async def _record(self, job: Job, step: int, ticket: Any, record: ArrayRecord,
-                      since: float, tokens: int) -> float:
+    async def _record(
+        self, job: Job, step: int, ticket: Any, record: ArrayRecord, since: float, tokens: int
+    ) -> float:
         error = await ticket.done
         if error:
             raise FailedPreconditionError(f"step {step} failed: {error}")
@@ -370,8 +427,15 @@ class JobRunner:
         now = record.settled_at or time.monotonic()
         step_time = now - since
         grad_norm, learning_rate, loss = (float(v) for v in ticket.values[0])
-        measured = StepRecord(step, loss, grad_norm, learning_rate, step_time,
-                              tokens / step_time if step_time > 0 else 0.0, time.time())
+        measured = StepRecord(
+            step,
+            loss,
+            grad_norm,
+            learning_rate,
+            step_time,
+            tokens / step_time if step_time > 0 else 0.0,
+            time.time(),
+        )
         job.step = step + 1
         job.recent.append(measured)
         self.journal.add_steps(job.job_id, [measured])
@@ -382,8 +446,9 @@ class JobRunner:
         return now
 
 
-def _export(make_fns: Any, program: Any, config: Any, abstract: Any, axes: Any,
-            platform: str) -> tuple[bytes, bytes, float]:
+def _export(
+    make_fns: Any, program: Any, config: Any, abstract: Any, axes: Any, platform: str
+) -> tuple[bytes, bytes, float]:
     """Exports the flat init and a step that returns its metrics as one vector
     [grad_norm, learning_rate, loss] (one fetch per step instead of three); also the
     step's FLOPs from XLA's cost analysis of the lowered program."""
@@ -395,24 +460,29 @@ def _export(make_fns: Any, program: Any, config: Any, abstract: Any, axes: Any,
     fns = make_fns(program, config, abstract, axes)
     state_shardings = [s.sharding for s in fns.layout.state]
 
-    def step(state: list[jax.Array], batch: dict[str, jax.Array]
-             ) -> tuple[list[jax.Array], jax.Array]:
+    def step(
+        state: list[jax.Array], batch: dict[str, jax.Array]
+    ) -> tuple[list[jax.Array], jax.Array]:
         new_state, values = fns.step(state, batch)
         return new_state, jnp.stack([values[k] for k in METRICS])
 
     replicated = jax.sharding.NamedSharding(abstract, jax.sharding.PartitionSpec())
     packed = jax.jit(step, out_shardings=(state_shardings, replicated))
     init = jax.export.export(fns.init, platforms=[platform])(fns.layout.key)
-    exported = jax.export.export(packed, platforms=[platform])(fns.layout.state,
-                                                               fns.layout.batch)
-    lowered = packed.trace(fns.layout.state, fns.layout.batch).lower(
-        lowering_platforms=(platform,))
+    exported = jax.export.export(packed, platforms=[platform])(fns.layout.state, fns.layout.batch)
+    lowered = packed.trace(fns.layout.state, fns.layout.batch).lower(lowering_platforms=(platform,))
     flops = float((lowered.cost_analysis() or {}).get("flops", 0.0))
     return init.serialize(), exported.serialize(), flops
 
 
 def _spec_from_json(data: Mapping[str, Any]) -> JobSpec:
-    return JobSpec(data["program"], data["num_slices"], data["slice_type"], data["steps"],
-                   tuple(sorted(data["overrides"].items())),
-                   tuple(tuple(a) for a in data["mesh"]), data.get("client", ""),
-                   data.get("gang_id", ""))
+    return JobSpec(
+        data["program"],
+        data["num_slices"],
+        data["slice_type"],
+        data["steps"],
+        tuple(sorted(data["overrides"].items())),
+        tuple(tuple(a) for a in data["mesh"]),
+        data.get("client", ""),
+        data.get("gang_id", ""),
+    )

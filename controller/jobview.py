@@ -21,12 +21,15 @@ def state_name(state: int) -> str:
 
 
 def step_line(job_id: str, steps: int, s: pb.StepMetrics) -> str:
-    return (f"{job_id} step {s.step + 1}/{steps} loss {s.loss:.4f} "
-            f"{s.tokens_per_s:,.0f} tok/s {1e3 * s.step_time_s:.0f} ms/step")
+    return (
+        f"{job_id} step {s.step + 1}/{steps} loss {s.loss:.4f} "
+        f"{s.tokens_per_s:,.0f} tok/s {1e3 * s.step_time_s:.0f} ms/step"
+    )
 
 
-def follow(events: Iterable[pb.JobEvent], *, plain: bool | None = None,
-           out: TextIO = sys.stdout) -> pb.JobInfo:
+def follow(
+    events: Iterable[pb.JobEvent], *, plain: bool | None = None, out: TextIO = sys.stdout
+) -> pb.JobInfo:
     """Shows a job's event stream until it ends; returns the final job info."""
     plain = (not out.isatty()) if plain is None else plain
     return _follow_plain(events, out) if plain else _follow_live(events)
@@ -50,9 +53,15 @@ def _follow_plain(events: Iterable[pb.JobEvent], out: TextIO) -> pb.JobInfo:
 def _follow_live(events: Iterable[pb.JobEvent]) -> pb.JobInfo:
     console = Console()
     job = None
-    with Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
-                  TextColumn("{task.fields[stats]}"), TimeRemainingColumn(),
-                  console=console, transient=False) as progress:
+    with Progress(
+        TextColumn("[bold]{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("{task.fields[stats]}"),
+        TimeRemainingColumn(),
+        console=console,
+        transient=False,
+    ) as progress:
         task = None
         for event in events:
             job = event.job
@@ -63,10 +72,16 @@ def _follow_live(events: Iterable[pb.JobEvent]) -> pb.JobInfo:
             stats = ""
             if job.HasField("last"):
                 s = job.last
-                stats = (f"loss {s.loss:.4f}  {s.tokens_per_s:,.0f} tok/s  "
-                         f"{1e3 * s.step_time_s:.0f} ms/step")
-            progress.update(task, completed=job.step,
-                            description=f"{job.job_id} {state_name(job.state)}", stats=stats)
+                stats = (
+                    f"loss {s.loss:.4f}  {s.tokens_per_s:,.0f} tok/s  "
+                    f"{1e3 * s.step_time_s:.0f} ms/step"
+                )
+            progress.update(
+                task,
+                completed=job.step,
+                description=f"{job.job_id} {state_name(job.state)}",
+                stats=stats,
+            )
     if job is None:
         raise RuntimeError("the controller ended the stream before sending anything")
     return job
@@ -76,9 +91,11 @@ def summary(job: pb.JobInfo, steps: list[pb.StepMetrics]) -> str:
     text = f"{job.job_id} {state_name(job.state)} after {job.step}/{job.steps} steps"
     if steps:
         tail = steps[-10:]
-        text += (f"; loss {steps[0].loss:.4f} -> {steps[-1].loss:.4f}, "
-                 f"{sum(s.tokens_per_s for s in tail) / len(tail):,.0f} tok/s over the last "
-                 f"{len(tail)} steps")
+        text += (
+            f"; loss {steps[0].loss:.4f} -> {steps[-1].loss:.4f}, "
+            f"{sum(s.tokens_per_s for s in tail) / len(tail):,.0f} tok/s over the last "
+            f"{len(tail)} steps"
+        )
     if job.flops_per_step:
         text += f"; {job.flops_per_step / 1e9:.2f} GFLOP/step"
     if job.error:
@@ -89,15 +106,19 @@ def summary(job: pb.JobInfo, steps: list[pb.StepMetrics]) -> str:
 def print_jobs(jobs: list[pb.JobInfo], console: Console | None = None) -> None:
     console = console or Console(width=None if sys.stdout.isatty() else 140)
     table = Table(title="Jobs")
-    for col in ("job", "program", "state", "step", "loss", "step time", "tok/s", "gang",
-                "slices"):
+    for col in ("job", "program", "state", "step", "loss", "step time", "tok/s", "gang", "slices"):
         table.add_column(col)
     for j in jobs:
         last = j.last if j.HasField("last") else None
         table.add_row(
-            j.job_id, j.program, state_name(j.state), f"{j.step}/{j.steps}",
+            j.job_id,
+            j.program,
+            state_name(j.state),
+            f"{j.step}/{j.steps}",
             f"{last.loss:.4f}" if last else "-",
             f"{1e3 * last.step_time_s:.0f} ms" if last else "-",
             f"{last.tokens_per_s:,.0f}" if last else "-",
-            j.gang_id or "-", f"{j.num_slices} x {j.slice_type}")
+            j.gang_id or "-",
+            f"{j.num_slices} x {j.slice_type}",
+        )
     console.print(table)

@@ -71,12 +71,13 @@ class Journal:
             row = self._db.execute("SELECT COALESCE(MAX(seq), 0) FROM jobs").fetchone()
         return int(row[0]) + 1
 
-    def add_job(self, job_id: str, seq: int, spec: dict[str, Any], state: str, now: float
-                ) -> None:
+    def add_job(self, job_id: str, seq: int, spec: dict[str, Any], state: str, now: float) -> None:
         with self._lock:
             self._db.execute(
                 "INSERT INTO jobs (job_id, seq, spec, state, created_at, updated_at) "
-                "VALUES (?, ?, ?, ?, ?, ?)", (job_id, seq, json.dumps(spec), state, now, now))
+                "VALUES (?, ?, ?, ?, ?, ?)",
+                (job_id, seq, json.dumps(spec), state, now, now),
+            )
 
     def update_job(self, job_id: str, now: float, **fields: Any) -> None:
         allowed = {"state", "step", "gang_id", "error", "epoch", "flops_per_step"}
@@ -85,22 +86,37 @@ class Journal:
             raise ValueError(f"unknown job fields {sorted(unknown)}")
         names = ", ".join(f"{k} = ?" for k in fields)
         with self._lock:
-            self._db.execute(f"UPDATE jobs SET {names}, updated_at = ? WHERE job_id = ?",
-                             (*fields.values(), now, job_id))
+            self._db.execute(
+                f"UPDATE jobs SET {names}, updated_at = ? WHERE job_id = ?",
+                (*fields.values(), now, job_id),
+            )
 
     def add_steps(self, job_id: str, records: Iterable[StepRecord]) -> None:
-        rows = [(job_id, r.step, r.loss, r.grad_norm, r.learning_rate, r.step_time_s,
-                 r.tokens_per_s, r.wall_time) for r in records]
+        rows = [
+            (
+                job_id,
+                r.step,
+                r.loss,
+                r.grad_norm,
+                r.learning_rate,
+                r.step_time_s,
+                r.tokens_per_s,
+                r.wall_time,
+            )
+            for r in records
+        ]
         with self._lock:
             self._db.executemany(
-                "INSERT OR REPLACE INTO step_metrics VALUES (?, ?, ?, ?, ?, ?, ?, ?)", rows)
+                "INSERT OR REPLACE INTO step_metrics VALUES (?, ?, ?, ?, ?, ?, ?, ?)", rows
+            )
 
     def steps(self, job_id: str, since: int = 0) -> list[StepRecord]:
         with self._lock:
             rows = self._db.execute(
                 "SELECT step, loss, grad_norm, learning_rate, step_time_s, tokens_per_s, "
                 "wall_time FROM step_metrics WHERE job_id = ? AND step >= ? ORDER BY step",
-                (job_id, since)).fetchall()
+                (job_id, since),
+            ).fetchall()
         return [StepRecord(*row) for row in rows]
 
     def jobs(self) -> list[dict[str, Any]]:

@@ -17,7 +17,8 @@ from typing import Any
 
 _FIELDS = ("gang", "job")
 _CONTEXT: contextvars.ContextVar[dict[str, str] | None] = contextvars.ContextVar(
-    "slicewise_log_context", default=None)
+    "slicewise_log_context", default=None
+)
 
 
 def _current() -> dict[str, str]:

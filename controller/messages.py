@@ -21,25 +21,44 @@ _STATES = {
 
 
 def array_to_pb(record: ArrayRecord) -> pb.ArrayInfo:
-    return pb.ArrayInfo(handle=record.handle, spec=spec_to_pb(record.spec),
-                        state=_STATES[record.state], error=record.error)
+    return pb.ArrayInfo(
+        handle=record.handle,
+        spec=spec_to_pb(record.spec),
+        state=_STATES[record.state],
+        error=record.error,
+    )
 
 
 def step_to_pb(record: StepRecord) -> pb.StepMetrics:
-    return pb.StepMetrics(step=record.step, loss=record.loss, grad_norm=record.grad_norm,
-                          learning_rate=record.learning_rate, step_time_s=record.step_time_s,
-                          tokens_per_s=record.tokens_per_s, wall_time=record.wall_time)
+    return pb.StepMetrics(
+        step=record.step,
+        loss=record.loss,
+        grad_norm=record.grad_norm,
+        learning_rate=record.learning_rate,
+        step_time_s=record.step_time_s,
+        tokens_per_s=record.tokens_per_s,
+        wall_time=record.wall_time,
+    )
 
 
 def job_to_pb(job: Job) -> pb.JobInfo:
     spec = job.spec
     info = pb.JobInfo(
-        job_id=job.job_id, program=spec.program,
-        state=pb.JobState.Value(f"JOB_STATE_{job.state.name}"), step=job.step,
-        steps=spec.steps, gang_id=job.gang_id, error=job.error, num_slices=spec.num_slices,
-        slice_type=spec.slice_type, overrides=dict(spec.overrides), client=spec.client,
-        created_at=job.created_at, updated_at=job.updated_at,
-        flops_per_step=job.flops_per_step)
+        job_id=job.job_id,
+        program=spec.program,
+        state=pb.JobState.Value(f"JOB_STATE_{job.state.name}"),
+        step=job.step,
+        steps=spec.steps,
+        gang_id=job.gang_id,
+        error=job.error,
+        num_slices=spec.num_slices,
+        slice_type=spec.slice_type,
+        overrides=dict(spec.overrides),
+        client=spec.client,
+        created_at=job.created_at,
+        updated_at=job.updated_at,
+        flops_per_step=job.flops_per_step,
+    )
     if job.mesh is not None:
         info.mesh.CopyFrom(mesh_to_pb(job.mesh))
     if job.last is not None:

@@ -8,8 +8,24 @@ from __future__ import annotations
 
 from prometheus_client import Counter, Gauge, Histogram, start_http_server
 
-_LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5,
-                    5, 10, 30, 60)
+_LATENCY_BUCKETS = (
+    0.0005,
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1,
+    2.5,
+    5,
+    10,
+    30,
+    60,
+)
 
 QUEUE_LENGTH = Gauge("slicewise_queue_length", "Gang requests waiting for admission")
 GANGS = Gauge("slicewise_gangs", "Gangs currently holding slices")
@@ -17,15 +33,21 @@ SLICES = Gauge("slicewise_slices", "TPU slices in the inventory", ["state"])
 DISPATCH_SECONDS = Histogram(
     "slicewise_dispatch_latency_seconds",
     "From an operation being queued on a gang to every worker having completed it",
-    ["kind"], buckets=_LATENCY_BUCKETS)
-RPC_SECONDS = Histogram("slicewise_rpc_seconds", "Time the controller spent answering an RPC",
-                        ["method"], buckets=_LATENCY_BUCKETS)
+    ["kind"],
+    buckets=_LATENCY_BUCKETS,
+)
+RPC_SECONDS = Histogram(
+    "slicewise_rpc_seconds",
+    "Time the controller spent answering an RPC",
+    ["method"],
+    buckets=_LATENCY_BUCKETS,
+)
 OPERATIONS = Counter("slicewise_operations_total", "Operations dispatched to gangs", ["kind"])
-BYTES = Counter("slicewise_bytes_total", "Array bytes moved through the controller",
-                ["direction"])
+BYTES = Counter("slicewise_bytes_total", "Array bytes moved through the controller", ["direction"])
 FAILURES = Counter("slicewise_failures_total", "Failed RPCs, operations and workers", ["kind"])
-STEP_SECONDS = Histogram("slicewise_step_seconds", "Training step time of jobs",
-                         buckets=_LATENCY_BUCKETS)
+STEP_SECONDS = Histogram(
+    "slicewise_step_seconds", "Training step time of jobs", buckets=_LATENCY_BUCKETS
+)
 STEPS = Counter("slicewise_steps_total", "Training steps completed by jobs")
 
 

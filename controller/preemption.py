@@ -30,8 +30,11 @@ def victim_cost(victims: Iterable[Candidate]) -> tuple[float, float, float]:
     victims = list(victims)
     if not victims:
         return (0, -_INF, -_INF)
-    return (sum(v.chips for v in victims), max(v.priority for v in victims),
-            -min(v.seq for v in victims))
+    return (
+        sum(v.chips for v in victims),
+        max(v.priority for v in victims),
+        -min(v.seq for v in victims),
+    )
 
 
 def cheapest_victims(candidates: Iterable[Candidate], need: int) -> tuple[Candidate, ...] | None:
@@ -55,9 +58,12 @@ def cheapest_victims(candidates: Iterable[Candidate], need: int) -> tuple[Candid
     fewest = _fewest_chips(groups, need)
     if fewest is None:
         return None
-    level = next(i for i in range(1, len(groups) + 1)
-                 if (i == len(groups) or groups[i][2] != groups[i - 1][2])
-                 and _fewest_chips(groups[:i], need) == fewest)
+    level = next(
+        i
+        for i in range(1, len(groups) + 1)
+        if (i == len(groups) or groups[i][2] != groups[i - 1][2])
+        and _fewest_chips(groups[:i], need) == fewest
+    )
     pool = sorted((c for g in groups[:level] for c in g[3]), key=lambda c: -c.seq)
     best: list[float] = [0] + [_INF] * need
     links: list[tuple | None] = [None] * (need + 1)

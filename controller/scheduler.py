@@ -123,13 +123,16 @@ class QueuedRequest:
     reason: str
 
 
-def expiry_reason(request: GangRequest, waited_s: float, position: int,
-                  free: Mapping[str, int]) -> str:
+def expiry_reason(
+    request: GangRequest, waited_s: float, position: int, free: Mapping[str, int]
+) -> str:
     """The sentence an expired request's client reads."""
     counts = ", ".join(f"{free.get(t.name, 0)} {t.name}" for t in request.slice_types)
-    return (f"waited {waited_s:.0f} s in the queue, longer than its max wait of "
-            f"{request.max_wait_s:g} s, at position {position}: needs {request.num_slices} "
-            f"slice(s), free then: {counts}; ask again, with a longer max wait or fewer slices")
+    return (
+        f"waited {waited_s:.0f} s in the queue, longer than its max wait of "
+        f"{request.max_wait_s:g} s, at position {position}: needs {request.num_slices} "
+        f"slice(s), free then: {counts}; ask again, with a longer max wait or fewer slices"
+    )
 
 
 @dataclass(eq=False)
@@ -170,8 +173,14 @@ class _Gang:
 class Scheduler:
     """Priority-FIFO, all-or-nothing gang scheduling with backfill and preemption."""
 
-    def __init__(self, clock: Callable[[], float] = time.monotonic, *, grace_s: float = GRACE_S,
-                 backoff_s: float = BACKOFF_S, max_backoff_s: float = MAX_BACKOFF_S) -> None:
+    def __init__(
+        self,
+        clock: Callable[[], float] = time.monotonic,
+        *,
+        grace_s: float = GRACE_S,
+        backoff_s: float = BACKOFF_S,
+        max_backoff_s: float = MAX_BACKOFF_S,
+    ) -> None:
         self.clock = clock
         self.grace_s = grace_s
         self.backoff_s = backoff_s
@@ -234,8 +243,10 @@ class Scheduler:
     def queue_snapshot(self) -> list[QueuedRequest]:
         """Every queued request in order, with its position and why it waits."""
         reasons = _Walk(self, self.clock(), explain=True).run().reasons
-        return [QueuedRequest(self._entries[k[3]].request, i, reasons[k[3]])
-                for i, k in enumerate(self._queue)]
+        return [
+            QueuedRequest(self._entries[k[3]].request, i, reasons[k[3]])
+            for i, k in enumerate(self._queue)
+        ]
 
     # -- changing ------------------------------------------------------------------------
 
@@ -272,13 +283,17 @@ class Scheduler:
         if rid in self._entries or rid in self._gangs:
             raise InvalidRequestError(f"request {rid} is already queued or admitted")
         known: Mapping[str, Slice] = self._inventory
-        vanished = {name: Slice(name, stype, (), simulated=False)  # still exist: held
-                    for gang in self._gangs.values() for name, stype in gang.types.items()
-                    if name not in self._state}
+        vanished = {
+            name: Slice(name, stype, (), simulated=False)  # still exist: held
+            for gang in self._gangs.values()
+            for name, stype in gang.types.items()
+            if name not in self._state
+        }
         if vanished:
             known = {**self._inventory, **vanished}
-        check_can_ever_fit(known, request.num_slices, request.slice_types,
-                           same_type=request.same_type)
+        check_can_ever_fit(
+            known, request.num_slices, request.slice_types, same_type=request.same_type
+        )
         if not request.submitted_at:
             request.submitted_at = self.clock()
         key = (-request.priority, request.submitted_at, next(self._seq), rid)
@@ -379,8 +394,13 @@ class Scheduler:
                 del free[bisect.bisect_left(free, name)]
             self._holder[name] = rid
         self._dequeue(entry)  # what it reserved but did not need goes back to the pool
-        gang = _Gang(entry.request, entry.key, slices,
-                     {n: self._inventory[n].type for n in slices}, next(self._seq))
+        gang = _Gang(
+            entry.request,
+            entry.key,
+            slices,
+            {n: self._inventory[n].type for n in slices},
+            next(self._seq),
+        )
         gang.cover = self._cover(slices)
         self._gangs[rid] = gang
         self._add_victim(gang)
@@ -435,10 +455,13 @@ class Scheduler:
                 due.append(entry)
         due.sort(key=lambda e: e.key)
         free = {t: len(names) for t, names in self._free.items()}
-        decisions = [Expire(e.request.request_id,
-                            expiry_reason(e.request, now - e.since,
-                                          self.position(e.request.request_id), free))
-                     for e in due]
+        decisions = [
+            Expire(
+                e.request.request_id,
+                expiry_reason(e.request, now - e.since, self.position(e.request.request_id), free),
+            )
+            for e in due
+        ]
         for entry in due:
             self._dequeue(entry)
         return decisions
@@ -454,8 +477,9 @@ class Scheduler:
         for gang in due:
             assert gang.preemptor is not None
             slices = self._release(gang.request.request_id, now)
-            decisions.append(ForceRelease(gang.request.request_id,
-                                          gang.preemptor.request.request_id, slices))
+            decisions.append(
+                ForceRelease(gang.request.request_id, gang.preemptor.request.request_id, slices)
+            )
         return decisions
 
 
@@ -472,8 +496,9 @@ class _Walk:
     claimed; `claimed_below[t] = p` means gangs of priority < p holding type t are claimed.
     """
 
-    def __init__(self, s: Scheduler, now: float, *, explain: bool = False,
-                 until: str | None = None) -> None:
+    def __init__(
+        self, s: Scheduler, now: float, *, explain: bool = False, until: str | None = None
+    ) -> None:
         self.s, self.now, self.explain, self.until = s, now, explain, until
         self.avail = {t: len(names) for t, names in s._free.items()}
         self.taken = dict.fromkeys(self.avail, 0)
@@ -502,7 +527,7 @@ class _Walk:
             # Nothing is free or evictable for anyone left; only slices freed for a
             # preemptor can still admit it.
             late = sorted(s._entries[r].key for r in s._with_reserved)
-            for key in late[bisect.bisect_left(late, stopped_at):]:
+            for key in late[bisect.bisect_left(late, stopped_at) :]:
                 self._visit(s._entries[key[3]])
         return self.result
 
@@ -527,9 +552,12 @@ class _Walk:
 
     def _may_evict(self, gang: _Gang, priority: int) -> bool:
         p = gang.request.priority
-        return (p < priority and gang.preemptor is None
-                and gang.request.request_id not in self.consumed
-                and not any(p < self.claimed_below.get(t, -_INF) for t in gang.cover))
+        return (
+            p < priority
+            and gang.preemptor is None
+            and gang.request.request_id not in self.consumed
+            and not any(p < self.claimed_below.get(t, -_INF) for t in gang.cover)
+        )
 
     def _candidates(self, types: list[str], priority: int) -> list[_Gang]:
         seen: dict[str, _Gang] = {}
@@ -561,7 +589,7 @@ class _Walk:
         self.avail[t] -= count
         if self.explain:
             self.claimants.setdefault(t, []).append(rid)
-        return self.s._free[t][start:start + count]
+        return self.s._free[t][start : start + count]
 
     def _visit(self, entry: _Entry) -> None:
         s, r = self.s, entry.request
@@ -570,7 +598,8 @@ class _Walk:
             if self.explain:
                 self.result.reasons[rid] = (
                     f"preempted {s._evictions.get(rid, 0)} time(s); backs off for another "
-                    f"{entry.not_before - self.now:.0f} s")
+                    f"{entry.not_before - self.now:.0f} s"
+                )
             return
         avail = {t: self.avail.get(t, 0) for t in types}
         res: dict[str, list[str]] = {t: [] for t in types}
@@ -625,14 +654,24 @@ class _Walk:
         r = entry.request
         rid, n, types = r.request_id, r.num_slices, entry.types
         options: list[tuple[list[str], int]] = (
-            [([t], n - avail[t] - pend[t]) for t in types] if r.same_type
-            else [(types, n - sum(avail.values()) - sum(pend.values()))])
+            [([t], n - avail[t] - pend[t]) for t in types]
+            if r.same_type
+            else [(types, n - sum(avail.values()) - sum(pend.values()))]
+        )
         best: tuple[tuple[tuple[float, float, float], int], tuple[Candidate, ...], list[str]] | None
         best = None
         for i, (ts, need) in enumerate(options):
             gangs = self._candidates(ts, r.priority)
-            candidates = [Candidate(g.request.request_id, sum(g.cover.get(t, 0) for t in ts),
-                                    g.chips, g.request.priority, g.seq) for g in gangs]
+            candidates = [
+                Candidate(
+                    g.request.request_id,
+                    sum(g.cover.get(t, 0) for t in ts),
+                    g.chips,
+                    g.request.priority,
+                    g.seq,
+                )
+                for g in gangs
+            ]
             if sum(c.cover for c in candidates) < need:
                 continue
             chosen = cheapest_victims(candidates, need)
@@ -651,7 +690,8 @@ class _Walk:
         self._claim(rid, ts, n - sum(pend[t] for t in ts) - freed)
         if self.explain:
             self.result.reasons[rid] = (
-                f"can preempt {', '.join(c.gang_id for c in chosen)} (lower priority) now")
+                f"can preempt {', '.join(c.gang_id for c in chosen)} (lower priority) now"
+            )
         return True
 
     def _waiting(self, entry: _Entry, res: dict[str, list[str]]) -> None:
@@ -659,7 +699,8 @@ class _Walk:
             reserved = sum(len(v) for v in res.values())
             self.result.reasons[entry.request.request_id] = (
                 f"waiting for {', '.join(sorted(entry.victims)) or 'nobody'} to release "
-                f"slices preempted for it; {reserved} freed for it so far")
+                f"slices preempted for it; {reserved} freed for it so far"
+            )
 
     def _blocked_reason(self, entry: _Entry, avail: dict[str, int]) -> str:
         r, s = entry.request, self.s

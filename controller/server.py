@@ -35,8 +35,10 @@ class ServerConfig:
 
     def __post_init__(self) -> None:
         if bool(self.sim) == bool(self.ray_address):
-            raise ValueError("give exactly one of --sim SPEC (embedded simulation) or "
-                             "--ray-address ADDR (an existing Ray cluster)")
+            raise ValueError(
+                "give exactly one of --sim SPEC (embedded simulation) or "
+                "--ray-address ADDR (an existing Ray cluster)"
+            )
         if self.sim:
             from slicewise.common.topology import parse_sim_spec
 
@@ -67,8 +69,11 @@ def run(config: ServerConfig) -> int:
     simulation = None
     if config.sim:
         log.info("starting simulated cluster %s", config.sim)
-        simulation = SimulationProcess(config.sim, host_store_mb=config.host_object_store_mb,
-                                       head_store_mb=config.head_object_store_mb)
+        simulation = SimulationProcess(
+            config.sim,
+            host_store_mb=config.host_object_store_mb,
+            head_store_mb=config.head_object_store_mb,
+        )
     import ray
 
     # Ray puts the driver's working directory on every worker's sys.path; a user's
@@ -76,15 +81,20 @@ def run(config: ServerConfig) -> int:
     workdir = tempfile.TemporaryDirectory(prefix="slicewise-controller-")
     os.chdir(workdir.name)
     try:
-        ray.init(address=simulation.address if simulation else config.ray_address,
-                 namespace="slicewise", log_to_driver=False, logging_level=logging.WARNING)
+        ray.init(
+            address=simulation.address if simulation else config.ray_address,
+            namespace="slicewise",
+            log_to_driver=False,
+            logging_level=logging.WARNING,
+        )
         address = simulation.address if simulation else str(config.ray_address)
         state_dir = config.state_dir or (
-            str(Path(workdir.name) / "state") if simulation else
-            str(Path.home() / ".local" / "state" / "slicewise"))
+            str(Path(workdir.name) / "state")
+            if simulation
+            else str(Path.home() / ".local" / "state" / "slicewise")
+        )
         log.info("journal in %s", state_dir)
-        return asyncio.run(_serve(config, simulation.pid if simulation else 0, address,
-                                  state_dir))
+        return asyncio.run(_serve(config, simulation.pid if simulation else 0, address, state_dir))
     finally:
         ray.shutdown()
         if simulation is not None:
@@ -93,8 +103,9 @@ def run(config: ServerConfig) -> int:
         log.info("controller stopped")
 
 
-async def _serve(config: ServerConfig, simulation_pid: int, ray_address: str,
-                 state_dir: str) -> int:
+async def _serve(
+    config: ServerConfig, simulation_pid: int, ray_address: str, state_dir: str
+) -> int:
     import grpc
 
     from controller.core import Controller
@@ -103,23 +114,27 @@ async def _serve(config: ServerConfig, simulation_pid: int, ray_address: str,
     from controller.servicer import ControllerServicer
     from protos import controller_pb2_grpc as pb_grpc
 
-    controller = Controller(simulated=bool(config.sim), worker_window=config.worker_window,
-                            grace_s=config.preemption_grace_s)
+    controller = Controller(
+        simulated=bool(config.sim),
+        worker_window=config.worker_window,
+        grace_s=config.preemption_grace_s,
+    )
     await controller.start()
     journal = Journal(Path(state_dir) / "journal.sqlite")
     jobs = JobRunner(controller, journal)
     server = grpc.aio.server()
     pb_grpc.add_ControllerServicer_to_server(
-        ControllerServicer(controller, jobs, simulation_pid=simulation_pid,
-                           ray_address=ray_address),
-        server)
+        ControllerServicer(
+            controller, jobs, simulation_pid=simulation_pid, ray_address=ray_address
+        ),
+        server,
+    )
     try:
         port = server.add_insecure_port(f"{config.host}:{config.port}")
     except RuntimeError:
         port = 0
     if port == 0:
-        log.error("cannot listen on %s:%d (in use?); pick another --port", config.host,
-                  config.port)
+        log.error("cannot listen on %s:%d (in use?); pick another --port", config.host, config.port)
         await controller.shutdown()
         return 2
     await server.start()
@@ -134,11 +149,13 @@ async def _serve(config: ServerConfig, simulation_pid: int, ray_address: str,
         metrics_port = serve_metrics(config.metrics_port, config.host)
         print(f"slicewise metrics on http://{config.host}:{metrics_port}/metrics", flush=True)
     # Tests and scripts wait for this exact line (printed last, when all is up).
-    print(f"slicewise controller listening on {config.host}:{port} ({slices} slices)",
-          flush=True)
+    print(f"slicewise controller listening on {config.host}:{port} ({slices} slices)", flush=True)
     await stop.wait()
-    log.info("shutting down: stopping %d job(s), releasing %d gang(s)",
-             sum(not j.state.terminal for j in jobs.jobs.values()), len(controller.gangs))
+    log.info(
+        "shutting down: stopping %d job(s), releasing %d gang(s)",
+        sum(not j.state.terminal for j in jobs.jobs.values()),
+        len(controller.gangs),
+    )
     await server.stop(grace=2)
     await jobs.shutdown()
     await controller.shutdown()

@@ -68,8 +68,9 @@ def _unary(fn: Callable[..., Any]) -> Callable[..., Any]:
     timer = metrics.RPC_SECONDS.labels(fn.__name__)
 
     @functools.wraps(fn)
-    async def wrapper(self: ControllerServicer, request: Any, context: grpc.aio.ServicerContext
-                      ) -> Any:
+    async def wrapper(
+        self: ControllerServicer, request: Any, context: grpc.aio.ServicerContext
+    ) -> Any:
         started = time.perf_counter()
         set_log_context(gang=getattr(request, "gang_id", ""))
         try:
@@ -78,44 +79,63 @@ def _unary(fn: Callable[..., Any]) -> Callable[..., Any]:
             await _abort(context, fn.__name__, exc)
         finally:
             timer.observe(time.perf_counter() - started)
+
     return wrapper
 
 
 def _streaming(fn: Callable[..., AsyncIterator[Any]]) -> Callable[..., AsyncIterator[Any]]:
     @functools.wraps(fn)
-    async def wrapper(self: ControllerServicer, request: Any, context: grpc.aio.ServicerContext
-                      ) -> AsyncIterator[Any]:
+    async def wrapper(
+        self: ControllerServicer, request: Any, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[Any]:
         try:
             async for item in fn(self, request, context):
                 yield item
         except Exception as exc:  # noqa: BLE001
             await _abort(context, fn.__name__, exc)
+
     return wrapper
 
 
 def gang_to_pb(gang: Gang, gang_id: str) -> pb.GangInfo:
     """What a client learns about the gang it allocated (under the id it should use)."""
     return pb.GangInfo(
-        gang_id=gang_id, slice_type=gang.slice_type.name, num_slices=gang.shape.num_slices,
-        hosts_per_slice=gang.shape.hosts_per_slice, chips_per_host=gang.shape.chips_per_host,
-        slices=[s.name for s in gang.slices], platform=gang.platform,
+        gang_id=gang_id,
+        slice_type=gang.slice_type.name,
+        num_slices=gang.shape.num_slices,
+        hosts_per_slice=gang.shape.hosts_per_slice,
+        chips_per_host=gang.shape.chips_per_host,
+        slices=[s.name for s in gang.slices],
+        platform=gang.platform,
         topology=gang.slice_type.topology,
     )
 
 
 def shares_to_pb(gang: Gang) -> list[pb.ClientShare]:
     waiting = gang.dispatcher.shares()
-    return [pb.ClientShare(attachment=a, client=client, weight=weight,
-                           programs_run=gang.programs_run[a],
-                           waiting=waiting.get(a, (0, 0, 0))[2])
-            for a, (client, weight) in gang.attachments.items()]
+    return [
+        pb.ClientShare(
+            attachment=a,
+            client=client,
+            weight=weight,
+            programs_run=gang.programs_run[a],
+            waiting=waiting.get(a, (0, 0, 0))[2],
+        )
+        for a, (client, weight) in gang.attachments.items()
+    ]
 
 
 class ControllerServicer(pb_grpc.ControllerServicer):
     """Implements the Controller service of protos/controller.proto."""
 
-    def __init__(self, controller: Controller, jobs: JobRunner, *, simulation_pid: int = 0,
-                 ray_address: str = "") -> None:
+    def __init__(
+        self,
+        controller: Controller,
+        jobs: JobRunner,
+        *,
+        simulation_pid: int = 0,
+        ray_address: str = "",
+    ) -> None:
         self.controller = controller
         self.jobs = jobs
         self.simulation_pid = simulation_pid
@@ -124,71 +144,117 @@ class ControllerServicer(pb_grpc.ControllerServicer):
     @_unary
     async def Health(self, request: pb.HealthRequest, context: Any) -> pb.HealthResponse:
         c = self.controller
-        return pb.HealthResponse(version=VERSION, simulated=c.simulated,
-                                 uptime_s=time.time() - c.started_at, num_gangs=len(c.gangs),
-                                 simulation_pid=self.simulation_pid,
-                                 ray_address=self.ray_address)
+        return pb.HealthResponse(
+            version=VERSION,
+            simulated=c.simulated,
+            uptime_s=time.time() - c.started_at,
+            num_gangs=len(c.gangs),
+            simulation_pid=self.simulation_pid,
+            ray_address=self.ray_address,
+        )
 
     @_unary
-    async def GetClusterInfo(self, request: pb.ClusterInfoRequest, context: Any
-                             ) -> pb.ClusterInfo:
+    async def GetClusterInfo(self, request: pb.ClusterInfoRequest, context: Any) -> pb.ClusterInfo:
         c = self.controller
         info = pb.ClusterInfo(simulated=c.simulated, platform="cpu" if c.simulated else "tpu")
         for s in sorted(c.scheduler.inventory.values(), key=lambda s: s.name):
             holder = c.scheduler.holder(s.name) or ""
-            state = (pb.SLICE_STATE_HELD if holder else
-                     pb.SLICE_STATE_FREE if s.intact else pb.SLICE_STATE_BROKEN)
-            info.slices.append(pb.SliceInfo(
-                name=s.name, slice_type=s.type.name, topology=s.type.topology, chips=s.type.chips,
-                state=state, holder_gang=holder,
-                hosts=[pb.HostInfo(node_id=h.node_id, address=h.address, worker_id=h.worker_id,
-                                   chips=h.chips, alive=h.alive) for h in s.hosts],
-            ))
+            state = (
+                pb.SLICE_STATE_HELD
+                if holder
+                else pb.SLICE_STATE_FREE
+                if s.intact
+                else pb.SLICE_STATE_BROKEN
+            )
+            info.slices.append(
+                pb.SliceInfo(
+                    name=s.name,
+                    slice_type=s.type.name,
+                    topology=s.type.topology,
+                    chips=s.type.chips,
+                    state=state,
+                    holder_gang=holder,
+                    hosts=[
+                        pb.HostInfo(
+                            node_id=h.node_id,
+                            address=h.address,
+                            worker_id=h.worker_id,
+                            chips=h.chips,
+                            alive=h.alive,
+                        )
+                        for h in s.hosts
+                    ],
+                )
+            )
         info.slice_types.extend(sorted({s.type.name for s in c.scheduler.inventory.values()}))
         for gang in c.gangs.values():
-            info.gangs.append(pb.GangSummary(
-                gang_id=gang.gang_id, client=gang.client, slice_type=gang.slice_type.name,
-                slices=[s.name for s in gang.slices], dispatched=gang.dispatcher.dispatched,
-                completed=gang.dispatcher.completed, live_arrays=c.arrays.count(gang.gang_id),
-                state=gang.state.value, priority=gang.priority, shared_name=gang.shared_name,
-                shares=shares_to_pb(gang),
-            ))
+            info.gangs.append(
+                pb.GangSummary(
+                    gang_id=gang.gang_id,
+                    client=gang.client,
+                    slice_type=gang.slice_type.name,
+                    slices=[s.name for s in gang.slices],
+                    dispatched=gang.dispatcher.dispatched,
+                    completed=gang.dispatcher.completed,
+                    live_arrays=c.arrays.count(gang.gang_id),
+                    state=gang.state.value,
+                    priority=gang.priority,
+                    shared_name=gang.shared_name,
+                    shares=shares_to_pb(gang),
+                )
+            )
         now = c.scheduler.clock()
         for queued in c.scheduler.queue_snapshot():
             r = queued.request
-            info.queue.append(pb.QueuedRequest(
-                request_id=r.request_id, client=r.client, num_slices=r.num_slices,
-                slice_types=[t.name for t in r.slice_types], priority=r.priority,
-                position=queued.position, waited_s=now - r.submitted_at, reason=queued.reason))
+            info.queue.append(
+                pb.QueuedRequest(
+                    request_id=r.request_id,
+                    client=r.client,
+                    num_slices=r.num_slices,
+                    slice_types=[t.name for t in r.slice_types],
+                    priority=r.priority,
+                    position=queued.position,
+                    waited_s=now - r.submitted_at,
+                    reason=queued.reason,
+                )
+            )
         return info
 
     @_unary
     async def AllocateGang(self, request: pb.AllocateGangRequest, context: Any) -> pb.GangInfo:
         gang, gang_id = await self.controller.allocate(
-            request.num_slices, request.slice_type, timeout_s=request.timeout_s,
-            client=request.client or (context.peer() or ""), priority=request.priority,
-            max_wait_s=request.max_wait_s or None, alternatives=list(request.alternatives),
-            same_type=not request.mixed_types, shared=request.shared,
+            request.num_slices,
+            request.slice_type,
+            timeout_s=request.timeout_s,
+            client=request.client or (context.peer() or ""),
+            priority=request.priority,
+            max_wait_s=request.max_wait_s or None,
+            alternatives=list(request.alternatives),
+            same_type=not request.mixed_types,
+            shared=request.shared,
             weight=request.weight or 1.0,
         )
         return gang_to_pb(gang, gang_id)
 
     @_unary
-    async def ReleaseGang(self, request: pb.ReleaseGangRequest, context: Any
-                          ) -> pb.ReleaseGangResponse:
+    async def ReleaseGang(
+        self, request: pb.ReleaseGangRequest, context: Any
+    ) -> pb.ReleaseGangResponse:
         await self.controller.release(request.gang_id, requeue=request.requeue)
         return pb.ReleaseGangResponse()
 
     @_streaming
-    async def WatchGang(self, request: pb.WatchGangRequest, context: Any
-                        ) -> AsyncIterator[pb.GangEvent]:
+    async def WatchGang(
+        self, request: pb.WatchGangRequest, context: Any
+    ) -> AsyncIterator[pb.GangEvent]:
         gang = self.controller.get_gang(request.gang_id, usable=False)
         queue = gang.watch()
         try:
             while True:
                 kind, message = await queue.get()
-                grace = max(0.0, gang.preempt_deadline - time.monotonic()) \
-                    if kind == "preempt" else 0.0
+                grace = (
+                    max(0.0, gang.preempt_deadline - time.monotonic()) if kind == "preempt" else 0.0
+                )
                 yield pb.GangEvent(kind=kind, message=message, grace_s=grace)
                 if kind == "released":
                     return
@@ -196,8 +262,9 @@ class ControllerServicer(pb_grpc.ControllerServicer):
             gang.unwatch(queue)
 
     @_unary
-    async def RegisterProgram(self, request_iterator: AsyncIterator[pb.ProgramChunk],
-                              context: Any) -> pb.ProgramInfo:
+    async def RegisterProgram(
+        self, request_iterator: AsyncIterator[pb.ProgramChunk], context: Any
+    ) -> pb.ProgramInfo:
         header: pb.ProgramHeader | None = None
         parts: list[bytes] = []
         async for chunk in request_iterator:
@@ -211,17 +278,20 @@ class ControllerServicer(pb_grpc.ControllerServicer):
         if header is None:
             raise InvalidRequestError("RegisterProgram received no messages")
         program = await self.controller.register_program(
-            header.gang_id, header.name, wire.mesh_from_pb(header.mesh), b"".join(parts))
+            header.gang_id, header.name, wire.mesh_from_pb(header.mesh), b"".join(parts)
+        )
         return pb.ProgramInfo(
-            program_id=program.program_id, name=program.name,
+            program_id=program.program_id,
+            name=program.name,
             inputs=[wire.spec_to_pb(s) for s in program.inputs],
             outputs=[wire.spec_to_pb(s) for s in program.outputs],
             num_devices=program.num_devices,
         )
 
     @_unary
-    async def PutArray(self, request_iterator: AsyncIterator[pb.PutChunk], context: Any
-                       ) -> pb.ArrayInfo:
+    async def PutArray(
+        self, request_iterator: AsyncIterator[pb.PutChunk], context: Any
+    ) -> pb.ArrayInfo:
         target = None
         offset = 0
         started = time.perf_counter()
@@ -231,7 +301,8 @@ class ControllerServicer(pb_grpc.ControllerServicer):
                     raise InvalidRequestError("PutArray's first message must be a header")
                 h = chunk.header
                 target = self.controller.begin_put(
-                    h.gang_id, wire.spec_from_pb(h.spec), wire.sharding_from_pb(h.sharding))
+                    h.gang_id, wire.spec_from_pb(h.spec), wire.sharding_from_pb(h.sharding)
+                )
                 continue
             data = chunk.data
             if offset + len(data) > len(target.buffer):
@@ -239,14 +310,13 @@ class ControllerServicer(pb_grpc.ControllerServicer):
                     f"PutArray sent more than the {len(target.buffer)} bytes a {target.spec} "
                     "array has"
                 )
-            target.buffer[offset:offset + len(data)] = np.frombuffer(data, dtype=np.uint8)
+            target.buffer[offset : offset + len(data)] = np.frombuffer(data, dtype=np.uint8)
             offset += len(data)
         if target is None:
             raise InvalidRequestError("PutArray received no messages")
         if offset != len(target.buffer):
             raise InvalidRequestError(
-                f"PutArray sent {offset} bytes, but a {target.spec} array has "
-                f"{len(target.buffer)}"
+                f"PutArray sent {offset} bytes, but a {target.spec} array has {len(target.buffer)}"
             )
         log.debug("PutArray received %d bytes in %.3f s", offset, time.perf_counter() - started)
         return messages.array_to_pb(await self.controller.finish_put(target))
@@ -254,35 +324,44 @@ class ControllerServicer(pb_grpc.ControllerServicer):
     @_unary
     async def Execute(self, request: pb.ExecuteRequest, context: Any) -> pb.ExecuteResponse:
         seq, outputs = self.controller.execute(
-            request.gang_id, request.program_id, list(request.inputs))
+            request.gang_id, request.program_id, list(request.inputs)
+        )
         return pb.ExecuteResponse(outputs=[messages.array_to_pb(r) for r in outputs], sequence=seq)
 
     @_unary
-    async def ExecuteBatch(self, request: pb.ExecuteBatchRequest, context: Any
-                           ) -> pb.ExecuteBatchResponse:
+    async def ExecuteBatch(
+        self, request: pb.ExecuteBatchRequest, context: Any
+    ) -> pb.ExecuteBatchResponse:
         results = self.controller.execute_batch(
-            request.gang_id, [(c.program_id, list(c.inputs)) for c in request.calls])
-        return pb.ExecuteBatchResponse(results=[
-            pb.ExecuteResponse(outputs=[messages.array_to_pb(r) for r in outputs], sequence=seq)
-            for seq, outputs in results])
+            request.gang_id, [(c.program_id, list(c.inputs)) for c in request.calls]
+        )
+        return pb.ExecuteBatchResponse(
+            results=[
+                pb.ExecuteResponse(outputs=[messages.array_to_pb(r) for r in outputs], sequence=seq)
+                for seq, outputs in results
+            ]
+        )
 
     @_streaming
-    async def FetchArray(self, request: pb.FetchArrayRequest, context: Any
-                         ) -> AsyncIterator[pb.FetchChunk]:
+    async def FetchArray(
+        self, request: pb.FetchArrayRequest, context: Any
+    ) -> AsyncIterator[pb.FetchChunk]:
         record, array = await self.controller.fetch(request.handle, request.timeout_s)
         yield pb.FetchChunk(header=messages.array_to_pb(record))
         for piece in wire.chunks(memoryview(array.reshape(-1).view(np.uint8))):
             yield pb.FetchChunk(data=bytes(piece))
 
     @_unary
-    async def WaitArrays(self, request: pb.WaitArraysRequest, context: Any
-                         ) -> pb.WaitArraysResponse:
+    async def WaitArrays(
+        self, request: pb.WaitArraysRequest, context: Any
+    ) -> pb.WaitArraysResponse:
         records = await self.controller.wait(list(request.handles), request.timeout_s)
         return pb.WaitArraysResponse(arrays=[messages.array_to_pb(r) for r in records])
 
     @_unary
-    async def DeleteArrays(self, request: pb.DeleteArraysRequest, context: Any
-                           ) -> pb.DeleteArraysResponse:
+    async def DeleteArrays(
+        self, request: pb.DeleteArraysRequest, context: Any
+    ) -> pb.DeleteArraysResponse:
         return pb.DeleteArraysResponse(deleted=self.controller.delete(list(request.handles)))
 
     @_unary
@@ -291,18 +370,31 @@ class ControllerServicer(pb_grpc.ControllerServicer):
         stats = await gang.worker_stats()
         d = gang.dispatcher
         return pb.GangStats(
-            gang_id=gang.gang_id, dispatched=d.dispatched, completed=d.completed, queued=d.queued,
-            workers=[pb.WorkerStats(
-                actor_name=worker_name(gang.gang_id, gang.epoch, s["process_id"]),
-                process_id=s["process_id"], pid=s["pid"], arrays=s["arrays"], bytes=s["bytes"],
-                programs=s["programs"], next_sequence=s["next_seq"],
-                max_in_flight=s["max_in_flight"], window=s["window"]) for s in stats],
+            gang_id=gang.gang_id,
+            dispatched=d.dispatched,
+            completed=d.completed,
+            queued=d.queued,
+            workers=[
+                pb.WorkerStats(
+                    actor_name=worker_name(gang.gang_id, gang.epoch, s["process_id"]),
+                    process_id=s["process_id"],
+                    pid=s["pid"],
+                    arrays=s["arrays"],
+                    bytes=s["bytes"],
+                    programs=s["programs"],
+                    next_sequence=s["next_seq"],
+                    max_in_flight=s["max_in_flight"],
+                    window=s["window"],
+                )
+                for s in stats
+            ],
             shares=shares_to_pb(gang),
         )
 
     @_streaming
-    async def GetTrace(self, request: pb.GetTraceRequest, context: Any
-                       ) -> AsyncIterator[pb.TraceChunk]:
+    async def GetTrace(
+        self, request: pb.GetTraceRequest, context: Any
+    ) -> AsyncIterator[pb.TraceChunk]:
         trace = await self.controller.trace(request.id)
         data = json.dumps(trace).encode()
         for piece in wire.chunks(memoryview(data)):
@@ -317,11 +409,15 @@ class ControllerServicer(pb_grpc.ControllerServicer):
             gang = self.controller.manager.get(request.gang_id)
             num_slices, slice_type = gang.shape.num_slices, gang.slice_type.name
         spec = JobSpec(
-            program=request.program, num_slices=num_slices,
-            slice_type=slice_type, steps=request.steps,
+            program=request.program,
+            num_slices=num_slices,
+            slice_type=slice_type,
+            steps=request.steps,
             overrides=tuple(sorted(request.overrides.items())),
             mesh=tuple((a.name, a.dcn, a.ici) for a in request.mesh.axes),
-            client=request.client or (context.peer() or ""), gang_id=request.gang_id)
+            client=request.client or (context.peer() or ""),
+            gang_id=request.gang_id,
+        )
         return messages.job_to_pb(self.jobs.submit(spec))
 
     @_unary
@@ -337,14 +433,20 @@ class ControllerServicer(pb_grpc.ControllerServicer):
         return messages.job_to_pb(self.jobs.cancel(request.job_id))
 
     @_streaming
-    async def WatchJob(self, request: pb.WatchJobRequest, context: Any
-                       ) -> AsyncIterator[pb.JobEvent]:
+    async def WatchJob(
+        self, request: pb.WatchJobRequest, context: Any
+    ) -> AsyncIterator[pb.JobEvent]:
         async for event in self.jobs.watch(request.job_id):
-            yield pb.JobEvent(job=messages.job_to_pb(event["job"]), message=event["message"],
-                              steps=[messages.step_to_pb(r) for r in event["steps"]])
+            yield pb.JobEvent(
+                job=messages.job_to_pb(event["job"]),
+                message=event["message"],
+                steps=[messages.step_to_pb(r) for r in event["steps"]],
+            )
 
     @_unary
     async def GetJobMetrics(self, request: pb.GetJobRequest, context: Any) -> pb.JobMetrics:
         job = self.jobs.get(request.job_id)
-        return pb.JobMetrics(job=messages.job_to_pb(job),
-                             steps=[messages.step_to_pb(r) for r in self.jobs.steps(job.job_id)])
+        return pb.JobMetrics(
+            job=messages.job_to_pb(job),
+            steps=[messages.step_to_pb(r) for r in self.jobs.steps(job.job_id)],
+        )

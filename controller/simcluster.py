@@ -101,12 +101,17 @@ class SimCluster:
         except BaseException:
             self.shutdown()
             raise
-        log.info("simulated cluster of %d hosts up in %.1f s at %s", len(self._hosts),
-                 time.monotonic() - started, self.address)
+        log.info(
+            "simulated cluster of %d hosts up in %.1f s at %s",
+            len(self._hosts),
+            time.monotonic() - started,
+            self.address,
+        )
         return self
 
-    def add_host(self, slice_name: str, stype: SliceType, worker_id: int, *,
-                 wait: bool = True) -> Any:
+    def add_host(
+        self, slice_name: str, stype: SliceType, worker_id: int, *, wait: bool = True
+    ) -> Any:
         node = self._cluster.add_node(
             wait=wait,
             num_cpus=1,
@@ -216,29 +221,48 @@ def _read_commands(cluster: SimCluster, stop: threading.Event) -> None:
 class SimulationProcess:
     """A simulated cluster in a supervisor process of its own (see above)."""
 
-    def __init__(self, spec: str, *, host_store_mb: int = 1536, head_store_mb: int = 3072,
-                 start_timeout_s: float = 180.0) -> None:
+    def __init__(
+        self,
+        spec: str,
+        *,
+        host_store_mb: int = 1536,
+        head_store_mb: int = 3072,
+        start_timeout_s: float = 180.0,
+    ) -> None:
         self.spec = spec
         self._proc = subprocess.Popen(
-            [sys.executable, "-P", "-m", "controller.simcluster", spec,
-             "--host-object-store-mb", str(host_store_mb),
-             "--head-object-store-mb", str(head_store_mb)],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+            [
+                sys.executable,
+                "-P",
+                "-m",
+                "controller.simcluster",
+                spec,
+                "--host-object-store-mb",
+                str(host_store_mb),
+                "--head-object-store-mb",
+                str(head_store_mb),
+            ],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
             env=os.environ | {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"},
         )
         line = self._readline(start_timeout_s)
         if not line:
             code = self._proc.wait(timeout=30)
-            raise RuntimeError(f"the simulated cluster {spec!r} failed to start (exit {code}); "
-                               "see the messages above")
+            raise RuntimeError(
+                f"the simulated cluster {spec!r} failed to start (exit {code}); "
+                "see the messages above"
+            )
         info = json.loads(line)
         self.address: str = info["address"]
         self.pid: int = info["pid"]
 
     def _readline(self, timeout_s: float) -> str:
         result: list[str] = []
-        reader = threading.Thread(target=lambda: result.append(self._proc.stdout.readline()),
-                                  daemon=True)
+        reader = threading.Thread(
+            target=lambda: result.append(self._proc.stdout.readline()), daemon=True
+        )
         reader.start()
         reader.join(timeout_s)
         if reader.is_alive():

@@ -15,8 +15,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 
-def dcn_sum_matmul(mesh: Any, dcn: str = "slice", data: str = "data", model: str = "model"
-                   ) -> Any:
+def dcn_sum_matmul(mesh: Any, dcn: str = "slice", data: str = "data", model: str = "model") -> Any:
     """`x @ w` sharded over ICI, then the per-slice row blocks summed across slices (DCN).
 
     x: [S*B, K], rows split over (dcn, data); w: [K, N], columns split over model.
@@ -29,13 +28,18 @@ def dcn_sum_matmul(mesh: Any, dcn: str = "slice", data: str = "data", model: str
 
     def step(x: jax.Array, w: jax.Array) -> jax.Array:
         y = x @ w
-        return jax.shard_map(reduce_slices, mesh=mesh, in_specs=P((dcn, data), model),
-                             out_specs=P(data, model))(y)
+        return jax.shard_map(
+            reduce_slices, mesh=mesh, in_specs=P((dcn, data), model), out_specs=P(data, model)
+        )(y)
 
-    return jax.jit(step,
-                   in_shardings=(NamedSharding(mesh, P((dcn, data), None)),
-                                 NamedSharding(mesh, P(None, model))),
-                   out_shardings=NamedSharding(mesh, P(data, model)))
+    return jax.jit(
+        step,
+        in_shardings=(
+            NamedSharding(mesh, P((dcn, data), None)),
+            NamedSharding(mesh, P(None, model)),
+        ),
+        out_shardings=NamedSharding(mesh, P(data, model)),
+    )
 
 
 def dcn_sum_matmul_reference(x: np.ndarray, w: np.ndarray, num_slices: int) -> np.ndarray:

@@ -18,8 +18,9 @@ def _busy_zero(seed: jax.Array, iters: int, size: int) -> jax.Array:
     return jnp.minimum(jnp.sum(jnp.abs(h)), 0.0)
 
 
-def allreduce_add(mesh: Any, axes: tuple[str, ...], *, work_iters: int = 0, work_size: int = 64
-                  ) -> Any:
+def allreduce_add(
+    mesh: Any, axes: tuple[str, ...], *, work_iters: int = 0, work_size: int = 64
+) -> Any:
     """x -> pmean(x over the whole gang) + 1, one element per device; from zeros, n calls
     give n. `work_iters` adds per-device busy work that does not change the result."""
 

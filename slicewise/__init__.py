@@ -27,8 +27,7 @@ from slicewise.common.errors import (
 if TYPE_CHECKING:
     from slicewise.client import Client, Gang, Mesh, Output, Program, RemoteArray, connect, delete
 
-_CLIENT_NAMES = {"Client", "Gang", "Mesh", "Output", "Program", "RemoteArray", "connect",
-                 "delete"}
+_CLIENT_NAMES = {"Client", "Gang", "Mesh", "Output", "Program", "RemoteArray", "connect", "delete"}
 
 __all__ = [
     "CapacityError",

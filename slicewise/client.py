@@ -94,26 +94,39 @@ class Client:
         import json
 
         try:
-            data = b"".join(c.data for c in self.stub.GetTrace(pb.GetTraceRequest(id=id),
-                                                                timeout=120))
+            data = b"".join(
+                c.data for c in self.stub.GetTrace(pb.GetTraceRequest(id=id), timeout=120)
+            )
         except grpc.RpcError as err:
             _raise_from(err)
         return json.loads(data)
 
     # -- training jobs ------------------------------------------------------------------
 
-    def submit_job(self, program: str, *, steps: int, slices: int = 0, slice_type: str = "",
-                   overrides: Mapping[str, str] | None = None,
-                   dcn: Mapping[str, int] | None = None,
-                   ici: Mapping[str, int] | None = None,
-                   gang: Gang | None = None) -> pb.JobInfo:
+    def submit_job(
+        self,
+        program: str,
+        *,
+        steps: int,
+        slices: int = 0,
+        slice_type: str = "",
+        overrides: Mapping[str, str] | None = None,
+        dcn: Mapping[str, int] | None = None,
+        ici: Mapping[str, int] | None = None,
+        gang: Gang | None = None,
+    ) -> pb.JobInfo:
         """Submits a training job of an installed program; returns at once (it queues).
         It runs on `slices` slices of `slice_type` allocated for it, or on `gang`, one
         this client holds (which stays held when the job ends)."""
         request = pb.SubmitJobRequest(
-            program=program, num_slices=slices, slice_type=slice_type, steps=steps,
-            overrides={k: str(v) for k, v in (overrides or {}).items()}, client=self.name,
-            gang_id=gang.id if gang is not None else "")
+            program=program,
+            num_slices=slices,
+            slice_type=slice_type,
+            steps=steps,
+            overrides={k: str(v) for k, v in (overrides or {}).items()},
+            client=self.name,
+            gang_id=gang.id if gang is not None else "",
+        )
         if dcn or ici:
             request.mesh.CopyFrom(wire.mesh_to_pb(MeshSpec.build(dcn, ici)))
         return _call(self.stub.SubmitJob, request, timeout=60)
@@ -134,10 +147,19 @@ class Client:
         """The job's snapshot, then its steps and state changes until it ends."""
         yield from self._stream(self.stub.WatchJob(pb.WatchJobRequest(job_id=job_id)))
 
-    def allocate(self, slices: int, slice_type: str, *, timeout: float = 600.0,
-                 priority: int = 0, max_wait: float | None = None,
-                 alternatives: Sequence[str] = (), mixed_types: bool = False,
-                 shared: str = "", weight: float = 1.0) -> Gang:
+    def allocate(
+        self,
+        slices: int,
+        slice_type: str,
+        *,
+        timeout: float = 600.0,
+        priority: int = 0,
+        max_wait: float | None = None,
+        alternatives: Sequence[str] = (),
+        mixed_types: bool = False,
+        shared: str = "",
+        weight: float = 1.0,
+    ) -> Gang:
         """Blocks until a gang of `slices` whole slices is admitted and its workers are up.
 
         `priority`: higher goes first and may preempt lower-priority gangs. `max_wait`:
@@ -146,9 +168,17 @@ class Client:
         of that name, sharing it with other clients in proportion to `weight`.
         """
         request = pb.AllocateGangRequest(
-            num_slices=slices, slice_type=slice_type, timeout_s=timeout, client=self.name,
-            priority=priority, max_wait_s=max_wait or 0.0, alternatives=list(alternatives),
-            mixed_types=mixed_types, shared=shared, weight=weight)
+            num_slices=slices,
+            slice_type=slice_type,
+            timeout_s=timeout,
+            client=self.name,
+            priority=priority,
+            max_wait_s=max_wait or 0.0,
+            alternatives=list(alternatives),
+            mixed_types=mixed_types,
+            shared=shared,
+            weight=weight,
+        )
         # The controller applies `timeout` to admission; starting the workers comes on top.
         info = _call(self.stub.AllocateGang, request, timeout=timeout + 300)
         return Gang(self, info)
@@ -219,13 +249,16 @@ class Gang:
         return self.num_slices * self.chips_per_slice
 
     def __repr__(self) -> str:
-        return (f"Gang({self.id}: {self.num_slices} x {self.slice_type}, "
-                f"{self.num_devices} devices on {self.platform})")
+        return (
+            f"Gang({self.id}: {self.num_slices} x {self.slice_type}, "
+            f"{self.num_devices} devices on {self.platform})"
+        )
 
     # -- meshes ---------------------------------------------------------------------
 
-    def mesh(self, dcn: Mapping[str, int] | None = None, ici: Mapping[str, int] | None = None
-             ) -> Mesh:
+    def mesh(
+        self, dcn: Mapping[str, int] | None = None, ici: Mapping[str, int] | None = None
+    ) -> Mesh:
         """A mesh over this gang. By default one DCN axis `slice` and one ICI axis `chip`.
 
         An axis named in both `dcn` and `ici` spans slices and chips (DCN-major).
@@ -244,8 +277,9 @@ class Gang:
 
     def _mesh_of(self, abstract: Any) -> Mesh:
         for mesh in reversed(self._meshes):
-            if (mesh.abstract.axis_names == abstract.axis_names
-                    and tuple(mesh.abstract.axis_sizes) == tuple(abstract.axis_sizes)):
+            if mesh.abstract.axis_names == abstract.axis_names and tuple(
+                mesh.abstract.axis_sizes
+            ) == tuple(abstract.axis_sizes):
                 return mesh
         raise InvalidRequestError(
             f"{abstract} is not a mesh of gang {self.id}; build meshes with gang.mesh(...)"
@@ -271,9 +305,13 @@ class Gang:
         data = memoryview(array.reshape(-1).view(np.uint8))
 
         def messages() -> Iterator[pb.PutChunk]:
-            yield pb.PutChunk(header=pb.PutHeader(
-                gang_id=self.id, spec=wire.spec_to_pb(spec),
-                sharding=wire.sharding_to_pb(sharding_spec)))
+            yield pb.PutChunk(
+                header=pb.PutHeader(
+                    gang_id=self.id,
+                    spec=wire.spec_to_pb(spec),
+                    sharding=wire.sharding_to_pb(sharding_spec),
+                )
+            )
             for piece in wire.chunks(data):
                 yield pb.PutChunk(data=bytes(piece))
 
@@ -300,8 +338,11 @@ class Gang:
                 meshes.append(a.sharding.mesh)
             elif isinstance(a, jax.ShapeDtypeStruct) and a.sharding is not None:
                 meshes.append(self._mesh_of(a.sharding.mesh).spec)
-        chosen = mesh.spec if mesh is not None else (
-            meshes[0] if meshes else (self._meshes[-1] if self._meshes else self.mesh()).spec)
+        chosen = (
+            mesh.spec
+            if mesh is not None
+            else (meshes[0] if meshes else (self._meshes[-1] if self._meshes else self.mesh()).spec)
+        )
         if any(m != chosen for m in meshes):
             raise InvalidRequestError("all inputs of one program must use the same mesh")
         replicated = NamedSharding(chosen.abstract(), PartitionSpec())
@@ -325,9 +366,14 @@ class Gang:
         serialized = bytes(serialized)
 
         def messages() -> Iterator[pb.ProgramChunk]:
-            yield pb.ProgramChunk(header=pb.ProgramHeader(
-                gang_id=self.id, name=name, mesh=wire.mesh_to_pb(mesh.spec),
-                total_bytes=len(serialized)))
+            yield pb.ProgramChunk(
+                header=pb.ProgramHeader(
+                    gang_id=self.id,
+                    name=name,
+                    mesh=wire.mesh_to_pb(mesh.spec),
+                    total_bytes=len(serialized),
+                )
+            )
             for piece in wire.chunks(memoryview(serialized)):
                 yield pb.ProgramChunk(data=bytes(piece))
 
@@ -341,22 +387,30 @@ class Gang:
         outputs (a RemoteArray, or a tuple of them)."""
         specs = []
         for program, args in calls:
-            handles = [f"@{a.call}:{a.index}" if isinstance(a, Output)
-                       else program._as_remote(i, a).handle for i, a in enumerate(args)]
+            handles = [
+                f"@{a.call}:{a.index}" if isinstance(a, Output) else program._as_remote(i, a).handle
+                for i, a in enumerate(args)
+            ]
             specs.append(pb.CallSpec(program_id=program.id, inputs=handles))
-        reply = _call(self.client.stub.ExecuteBatch,
-                      pb.ExecuteBatchRequest(gang_id=self.id, calls=specs), timeout=120)
+        reply = _call(
+            self.client.stub.ExecuteBatch,
+            pb.ExecuteBatchRequest(gang_id=self.id, calls=specs),
+            timeout=120,
+        )
         results = []
         for (program, _), result in zip(calls, reply.results, strict=True):
-            outs = [RemoteArray(self, info, sharding) for info, sharding in
-                    zip(result.outputs, program._out_sharding_specs, strict=True)]
+            outs = [
+                RemoteArray(self, info, sharding)
+                for info, sharding in zip(result.outputs, program._out_sharding_specs, strict=True)
+            ]
             results.append(outs[0] if len(outs) == 1 else tuple(outs))
         return results
 
     def stats(self) -> pb.GangStats:
         """Dispatch counters and, per worker, arrays held and executor window use."""
-        return _call(self.client.stub.GetGangStats, pb.GangStatsRequest(gang_id=self.id),
-                     timeout=60)
+        return _call(
+            self.client.stub.GetGangStats, pb.GangStatsRequest(gang_id=self.id), timeout=60
+        )
 
     # -- lifetime -------------------------------------------------------------------
 
@@ -364,15 +418,19 @@ class Gang:
         """Frees the slices (or, for a shared gang, detaches this client). With `requeue`,
         for a gang being preempted: give the slices up now but stay queued to resume."""
         if not self.released:
-            _call(self.client.stub.ReleaseGang,
-                  pb.ReleaseGangRequest(gang_id=self.id, requeue=requeue), timeout=120)
+            _call(
+                self.client.stub.ReleaseGang,
+                pb.ReleaseGangRequest(gang_id=self.id, requeue=requeue),
+                timeout=120,
+            )
             self.released = not requeue
 
     def events(self) -> Iterator[pb.GangEvent]:
         """What happens to the gang: "preempt" (with `grace_s` to save state and release),
         "preempted", "resumed", "failed", "released". Blocks between events."""
         yield from self.client._stream(
-            self.client.stub.WatchGang(pb.WatchGangRequest(gang_id=self.id)))
+            self.client.stub.WatchGang(pb.WatchGangRequest(gang_id=self.id))
+        )
 
     def __enter__(self) -> Gang:
         return self
@@ -407,10 +465,15 @@ class Program:
 
         leaves = jax.tree.leaves((args, kwargs), is_leaf=lambda x: isinstance(x, RemoteArray))
         handles = [self._as_remote(i, a).handle for i, a in enumerate(leaves)]
-        reply = _call(self.gang.client.stub.Execute, pb.ExecuteRequest(
-            gang_id=self.gang.id, program_id=self.id, inputs=handles), timeout=60)
-        outs = [RemoteArray(self.gang, info, sharding)
-                for info, sharding in zip(reply.outputs, self._out_sharding_specs, strict=True)]
+        reply = _call(
+            self.gang.client.stub.Execute,
+            pb.ExecuteRequest(gang_id=self.gang.id, program_id=self.id, inputs=handles),
+            timeout=60,
+        )
+        outs = [
+            RemoteArray(self.gang, info, sharding)
+            for info, sharding in zip(reply.outputs, self._out_sharding_specs, strict=True)
+        ]
         if self.exported is not None:
             return jax.tree.unflatten(self.exported.out_tree, outs)
         return outs[0] if len(outs) == 1 else tuple(outs)
@@ -420,7 +483,8 @@ class Program:
         gets `args`); returns the last call's outputs. Outputs must match inputs."""
         if len(self.outputs) != len(self.inputs) or self.outputs != self.inputs:
             raise InvalidRequestError(
-                f"chain needs a program whose outputs match its inputs; {self!r} does not")
+                f"chain needs a program whose outputs match its inputs; {self!r} does not"
+            )
         calls: list[tuple[Program, Sequence[Any]]] = [(self, args)]
         calls += [(self, [Output(k, i) for i in range(len(self.outputs))]) for k in range(n - 1)]
         return self.gang.execute_batch(calls)[-1]
@@ -428,9 +492,10 @@ class Program:
     def _out_shardings(self) -> list[ShardingSpec | None]:
         if self.exported is None:
             return [None] * len(self.outputs)
-        return [None if s is None else
-                ShardingSpec.from_partition_spec(self.mesh.spec, tuple(s.spec))
-                for s in self.exported.out_shardings_jax(self.mesh.abstract)]
+        return [
+            None if s is None else ShardingSpec.from_partition_spec(self.mesh.spec, tuple(s.spec))
+            for s in self.exported.out_shardings_jax(self.mesh.abstract)
+        ]
 
     def _as_remote(self, i: int, arg: Any) -> RemoteArray:
         if isinstance(arg, RemoteArray):
@@ -474,15 +539,18 @@ class RemoteArray:
 
         sharding = None
         if self.sharding is not None:
-            sharding = NamedSharding(self.sharding.mesh.abstract(),
-                                     PartitionSpec(*self.sharding.partition_spec()))
+            sharding = NamedSharding(
+                self.sharding.mesh.abstract(), PartitionSpec(*self.sharding.partition_spec())
+            )
         return jax.ShapeDtypeStruct(self.shape, self.dtype, sharding=sharding)
 
     def wait(self, timeout: float = 600.0) -> pb.ArrayInfo:
         """Blocks until the array is computed (or failed); returns its state."""
-        reply = _call(self.gang.client.stub.WaitArrays,
-                      pb.WaitArraysRequest(handles=[self.handle], timeout_s=timeout),
-                      timeout=timeout + 30)
+        reply = _call(
+            self.gang.client.stub.WaitArrays,
+            pb.WaitArraysRequest(handles=[self.handle], timeout_s=timeout),
+            timeout=timeout + 30,
+        )
         return reply.arrays[0]
 
     def block_until_ready(self, timeout: float = 600.0) -> RemoteArray:
@@ -499,10 +567,10 @@ class RemoteArray:
         offset = 0
         try:
             for chunk in self.gang.client.stub.FetchArray(
-                    pb.FetchArrayRequest(handle=self.handle, timeout_s=timeout),
-                    timeout=timeout + 60):
+                pb.FetchArrayRequest(handle=self.handle, timeout_s=timeout), timeout=timeout + 60
+            ):
                 if chunk.HasField("data"):
-                    out[offset:offset + len(chunk.data)] = np.frombuffer(chunk.data, np.uint8)
+                    out[offset : offset + len(chunk.data)] = np.frombuffer(chunk.data, np.uint8)
                     offset += len(chunk.data)
         except grpc.RpcError as err:
             _raise_from(err)
@@ -515,8 +583,11 @@ class RemoteArray:
         return result if dtype is None else result.astype(dtype)
 
     def delete(self) -> None:
-        _call(self.gang.client.stub.DeleteArrays,
-              pb.DeleteArraysRequest(handles=[self.handle]), timeout=60)
+        _call(
+            self.gang.client.stub.DeleteArrays,
+            pb.DeleteArraysRequest(handles=[self.handle]),
+            timeout=60,
+        )
 
     def __repr__(self) -> str:
         return f"RemoteArray({self.handle}: {self.spec})"
@@ -525,5 +596,8 @@ class RemoteArray:
 def delete(arrays: Sequence[RemoteArray]) -> None:
     """Deletes several arrays in one call."""
     if arrays:
-        _call(arrays[0].gang.client.stub.DeleteArrays,
-              pb.DeleteArraysRequest(handles=[a.handle for a in arrays]), timeout=60)
+        _call(
+            arrays[0].gang.client.stub.DeleteArrays,
+            pb.DeleteArraysRequest(handles=[a.handle for a in arrays]),
+            timeout=60,
+        )

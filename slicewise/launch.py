@@ -20,15 +20,35 @@ from typing import IO
 class ControllerProcess:
     """A `slicewise controller` subprocess; `address` is where it listens."""
 
-    def __init__(self, *, sim: str | None = None, ray_address: str | None = None,
-                 extra_args: tuple[str, ...] = (), stderr: IO[str] | None = None,
-                 start_timeout_s: float = 300.0, cwd: str | None = None,
-                 env: dict[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        *,
+        sim: str | None = None,
+        ray_address: str | None = None,
+        extra_args: tuple[str, ...] = (),
+        stderr: IO[str] | None = None,
+        start_timeout_s: float = 300.0,
+        cwd: str | None = None,
+        env: dict[str, str] | None = None,
+    ) -> None:
         where = ["--sim", sim] if sim else ["--ray-address", str(ray_address)]
         self.proc = subprocess.Popen(
-            [sys.executable, "-P", "-m", "controller.cli", "controller", *where, "--port", "0",
-             *extra_args],
-            stdout=subprocess.PIPE, stderr=stderr, text=True, start_new_session=True, cwd=cwd,
+            [
+                sys.executable,
+                "-P",
+                "-m",
+                "controller.cli",
+                "controller",
+                *where,
+                "--port",
+                "0",
+                *extra_args,
+            ],
+            stdout=subprocess.PIPE,
+            stderr=stderr,
+            text=True,
+            start_new_session=True,
+            cwd=cwd,
             env=None if env is None else os.environ | env,
         )
         try:
@@ -37,8 +57,14 @@ class ControllerProcess:
             self.stop()
             raise
         self.address = lines[-1].split("listening on", 1)[1].split()[0]
-        self.metrics_url = next((ln.split(" on ", 1)[1].strip() for ln in lines
-                                 if ln.startswith("slicewise metrics on ")), None)
+        self.metrics_url = next(
+            (
+                ln.split(" on ", 1)[1].strip()
+                for ln in lines
+                if ln.startswith("slicewise metrics on ")
+            ),
+            None,
+        )
 
     @property
     def pid(self) -> int:

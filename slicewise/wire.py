@@ -24,8 +24,9 @@ def mesh_from_pb(msg: pb.MeshSpec) -> MeshSpec:
 
 
 def sharding_to_pb(sharding: ShardingSpec) -> pb.ShardingSpec:
-    return pb.ShardingSpec(mesh=mesh_to_pb(sharding.mesh),
-                           dims=[pb.PartitionDim(axes=list(d)) for d in sharding.dims])
+    return pb.ShardingSpec(
+        mesh=mesh_to_pb(sharding.mesh), dims=[pb.PartitionDim(axes=list(d)) for d in sharding.dims]
+    )
 
 
 def sharding_from_pb(msg: pb.ShardingSpec) -> ShardingSpec:
@@ -44,4 +45,4 @@ def chunks(data: memoryview, size: int = CHUNK_BYTES) -> Iterator[memoryview]:
     """Yields `data` in pieces of at most `size` bytes, without copying."""
     data = data.cast("B") if data.format != "B" or data.ndim != 1 else data
     for start in range(0, len(data), size):
-        yield data[start:start + size]
+        yield data[start : start + size]

@@ -32,8 +32,15 @@ DEFAULT_WINDOW = 3
 class HostWorker:
     """One host of a gang. Created by the controller with `ray.remote(HostWorker)`."""
 
-    def __init__(self, gang_id: str, gang: GangShape, process_id: int, *,
-                 token: str, window: int = DEFAULT_WINDOW) -> None:
+    def __init__(
+        self,
+        gang_id: str,
+        gang: GangShape,
+        process_id: int,
+        *,
+        token: str,
+        window: int = DEFAULT_WINDOW,
+    ) -> None:
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
         self.gang_id = gang_id
         self.process_id = process_id
@@ -42,21 +49,33 @@ class HostWorker:
         self._token = token
         self._channel: WorkerEnd | None = None  # once the gang is formed
         self.executor = InOrderExecutor(
-            self.runtime.apply, window=window, on_failure=self.runtime.on_failure,
-            on_done=self._on_done, on_idle=self._flush,
+            self.runtime.apply,
+            window=window,
+            on_failure=self.runtime.on_failure,
+            on_done=self._on_done,
+            on_idle=self._flush,
         )
         self._started = time.time()
         import ray
 
-        self.data = DataServer(ray.util.get_node_ip_address(), self._receive, self._send,
-                               self._control)
+        self.data = DataServer(
+            ray.util.get_node_ip_address(), self._receive, self._send, self._control
+        )
 
     def _on_done(self, op: Op, started_ns: int, finished_ns: int, result: OpResult) -> None:
         name, args = self.runtime.describe(op)
         if result.error:
             args["error"] = result.error
-        self.spans.record(name, "execute", started_ns // 1000, finished_ns // 1000,
-                          thread="executor", gang=self.gang_id, seq=op.seq, **args)
+        self.spans.record(
+            name,
+            "execute",
+            started_ns // 1000,
+            finished_ns // 1000,
+            thread="executor",
+            gang=self.gang_id,
+            seq=op.seq,
+            **args,
+        )
         assert self._channel is not None  # operations only come through it
         self._channel.completed(result)
 
@@ -72,14 +91,28 @@ class HostWorker:
 
     def _receive(self, key: str, pieces: Pieces, started_us: int) -> None:
         self.runtime.stage(key, pieces)
-        self.spans.record("receive pieces", "transfer", started_us, now_us(), thread="data",
-                          gang=self.gang_id, bytes=sum(a.nbytes for _, a in pieces))
+        self.spans.record(
+            "receive pieces",
+            "transfer",
+            started_us,
+            now_us(),
+            thread="data",
+            gang=self.gang_id,
+            bytes=sum(a.nbytes for _, a in pieces),
+        )
 
     def _send(self, key: str) -> Pieces:
         started = now_us()
         pieces = self.runtime.read_pinned(key)
-        self.spans.record("fetch pieces", "transfer", started, now_us(), thread="data",
-                          gang=self.gang_id, bytes=sum(a.nbytes for _, a in pieces))
+        self.spans.record(
+            "fetch pieces",
+            "transfer",
+            started,
+            now_us(),
+            thread="data",
+            gang=self.gang_id,
+            bytes=sum(a.nbytes for _, a in pieces),
+        )
         return pieces
 
     def data_address(self) -> str:
@@ -95,10 +128,19 @@ class HostWorker:
             s.bind((host, 0))
             return f"{host}:{s.getsockname()[1]}"
 
-    def initialize(self, coordinator: str, epoch: int, *, partition_index: int,
-                   bind_address: str | None, timeout_s: int) -> dict[str, Any]:
+    def initialize(
+        self,
+        coordinator: str,
+        epoch: int,
+        *,
+        partition_index: int,
+        bind_address: str | None,
+        timeout_s: int,
+    ) -> dict[str, Any]:
         info = self.runtime.initialize(
-            coordinator, partition_index=partition_index, bind_address=bind_address,
+            coordinator,
+            partition_index=partition_index,
+            bind_address=bind_address,
             timeout_s=timeout_s,
         )
         self._channel = WorkerEnd(self._token, epoch, self.executor.submit)

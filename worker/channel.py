@@ -81,25 +81,30 @@ class WorkerEnd:
             if self._done:
                 self._cond.notify()
 
-    def serve(self, conn: socket.socket, hello: dict[str, Any],
-              reply: Callable[[dict[str, Any]], None]) -> None:
+    def serve(
+        self, conn: socket.socket, hello: dict[str, Any], reply: Callable[[dict[str, Any]], None]
+    ) -> None:
         """Runs one controller connection (on the data server's thread for it) until it
         closes. `reply` answers the hello with a JSON refusal."""
         if not hmac.compare_digest(str(hello.get("token", "")).encode(), self._token.encode()):
-            reply({"error": "wrong or missing token: only this gang's controller may "
-                            "send it operations"})
+            reply(
+                {
+                    "error": "wrong or missing token: only this gang's controller may "
+                    "send it operations"
+                }
+            )
             return
         if hello.get("epoch") != self._epoch:
-            reply({"error": f"stale epoch {hello.get('epoch')} (this worker is at "
-                            f"{self._epoch})"})
+            reply({"error": f"stale epoch {hello.get('epoch')} (this worker is at {self._epoch})"})
             return
         with self._cond:
             if self._conn is not None:
                 reply({"error": "this worker already has a controller connected"})
                 return
             self._conn = conn
-        sender = threading.Thread(target=self._send_completions, args=(conn,),
-                                  name="control-sender", daemon=True)
+        sender = threading.Thread(
+            target=self._send_completions, args=(conn,), name="control-sender", daemon=True
+        )
         try:
             self._send(conn, ("ready", None))
             sender.start()

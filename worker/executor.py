@@ -46,9 +46,16 @@ class SequenceError(RuntimeError):
 class InOrderExecutor:
     """Applies operations in sequence order on one thread, at most `window` in flight."""
 
-    def __init__(self, apply: Apply, *, window: int = 3, first_seq: int = 1,
-                 on_failure: OnFailure | None = None, on_done: OnDone | None = None,
-                 on_idle: OnIdle | None = None) -> None:
+    def __init__(
+        self,
+        apply: Apply,
+        *,
+        window: int = 3,
+        first_seq: int = 1,
+        on_failure: OnFailure | None = None,
+        on_done: OnDone | None = None,
+        on_idle: OnIdle | None = None,
+    ) -> None:
         if window < 1:
             raise ValueError(f"window must be >= 1, got {window}")
         self._apply = apply
@@ -156,8 +163,14 @@ class InOrderExecutor:
             return
         self._finish(op, fut, started, None, values)
 
-    def _finish(self, op: Op, fut: Future[OpResult], started_ns: int,
-                exc: BaseException | None, values: Any = None) -> None:
+    def _finish(
+        self,
+        op: Op,
+        fut: Future[OpResult],
+        started_ns: int,
+        exc: BaseException | None,
+        values: Any = None,
+    ) -> None:
         message = None if exc is None else f"{type(exc).__name__}: {exc}"
         if message is not None and self._on_failure is not None:
             self._on_failure(op, message)

@@ -69,8 +69,9 @@ class JaxRuntime:
 
     # -- formation -----------------------------------------------------------------
 
-    def initialize(self, coordinator: str, *, partition_index: int, bind_address: str | None,
-                   timeout_s: int) -> dict[str, Any]:
+    def initialize(
+        self, coordinator: str, *, partition_index: int, bind_address: str | None, timeout_s: int
+    ) -> dict[str, Any]:
         """Joins the gang's jax.distributed cluster; blocks until every process has joined."""
         import jax
 
@@ -146,8 +147,10 @@ class JaxRuntime:
         """A span name and arguments for an operation, for the timeline."""
         if isinstance(op, ExecOp):
             program = self._programs.get(op.program_id)
-            return (f"execute {program.name if program else op.program_id[:12]}",
-                    {"program": op.program_id[:12], "outputs": list(op.outputs)})
+            return (
+                f"execute {program.name if program else op.program_id[:12]}",
+                {"program": op.program_id[:12], "outputs": list(op.outputs)},
+            )
         if isinstance(op, PutOp):
             return "put", {"handle": op.handle}
         if isinstance(op, LoadOp):
@@ -172,8 +175,13 @@ class JaxRuntime:
         for handle, array in zip(op.handles, arrays, strict=True):
             self.buffers.put(handle, array)
 
-    def build_batch(self, program_name: str, overrides: tuple[tuple[str, str], ...], step: int,
-                    sharding_spec: ShardingSpec) -> list[Any]:
+    def build_batch(
+        self,
+        program_name: str,
+        overrides: tuple[tuple[str, str], ...],
+        step: int,
+        sharding_spec: ShardingSpec,
+    ) -> list[Any]:
         """This host's rows of a program's global batch for `step`, as global arrays (one
         per batch field, in sorted field order); other hosts build the other rows."""
         import jax
@@ -183,8 +191,7 @@ class JaxRuntime:
         program = get_program(program_name)
         config = self._configs.get((program_name, overrides))
         if config is None:
-            config = self._configs[(program_name, overrides)] = program.make_config(
-                dict(overrides))
+            config = self._configs[(program_name, overrides)] = program.make_config(dict(overrides))
         spec = program.batch_spec(config)
         fields = sorted(spec)
         sharding = self.named_sharding(sharding_spec)
@@ -192,15 +199,19 @@ class JaxRuntime:
         blocks: dict[tuple[int, int], dict[str, np.ndarray]] = {}
         per_field: dict[str, list[Any]] = {f: [] for f in fields}
         for device, index in sharding.addressable_devices_indices_map(
-                spec[fields[0]].shape).items():
+            spec[fields[0]].shape
+        ).items():
             lo, hi = index[0].indices(rows)[:2]
             if (lo, hi) not in blocks:  # replicas on this host share one read
-                blocks[(lo, hi)] = program.host_batch(config, step, lo // (hi - lo),
-                                                      rows // (hi - lo))
+                blocks[(lo, hi)] = program.host_batch(
+                    config, step, lo // (hi - lo), rows // (hi - lo)
+                )
             for f in fields:
                 per_field[f].append(jax.device_put(blocks[(lo, hi)][f], device))
-        return [jax.make_array_from_single_device_arrays(spec[f].shape, sharding, per_field[f])
-                for f in fields]
+        return [
+            jax.make_array_from_single_device_arrays(spec[f].shape, sharding, per_field[f])
+            for f in fields
+        ]
 
     def stage(self, key: str, pieces: list[tuple[Index, np.ndarray]]) -> None:
         """Keeps pieces that arrived over the data port until their PutOp comes."""
@@ -285,7 +296,6 @@ class JaxRuntime:
         once, and never while the gang's executor has work. Returns the seconds taken."""
         from collections import deque
 
-
         program = self._programs[program_id]
         args = [self.buffers.get(h) for h in handles]
         in_flight: deque[Any] = deque()
@@ -299,9 +309,17 @@ class JaxRuntime:
             a.block_until_ready()
         return time.perf_counter() - started
 
-    def run_train_loop(self, program_id: str, state_handles: list[str], program_name: str,
-                       overrides: tuple[tuple[str, str], ...], batch_sharding: ShardingSpec,
-                       first_step: int, n: int, window: int) -> float:
+    def run_train_loop(
+        self,
+        program_id: str,
+        state_handles: list[str],
+        program_name: str,
+        overrides: tuple[tuple[str, str], ...],
+        batch_sharding: ShardingSpec,
+        first_step: int,
+        n: int,
+        window: int,
+    ) -> float:
         """A multi-controller training loop on this host (benchmark baseline): builds its
         own batch rows, runs the step, reads each step's metrics as it retires. Run it on
         every process of the gang at once, with the gang's executor idle. Returns seconds."""
@@ -316,7 +334,7 @@ class JaxRuntime:
             if len(in_flight) >= window:  # as the executor: at most `window` launched
                 np.asarray(in_flight.popleft().addressable_shards[0].data)
             outputs = self._call(program, [*state, *batch])
-            state = outputs[:len(state)]
+            state = outputs[: len(state)]
             in_flight.append(outputs[len(state)])
         while in_flight:
             np.asarray(in_flight.popleft().addressable_shards[0].data)

@@ -33,11 +33,16 @@ class DataServer:
     from `on_get(key)`, and hands a control connection to `on_control(conn, hello,
     reply)` for as long as it lasts."""
 
-    def __init__(self, host: str, on_put: Callable[[str, Pieces, int], None],
-                 on_get: Callable[[str], Pieces],
-                 on_control: Callable[[socket.socket, dict[str, Any],
-                                       Callable[[dict[str, Any]], None]], None] | None = None
-                 ) -> None:
+    def __init__(
+        self,
+        host: str,
+        on_put: Callable[[str, Pieces, int], None],
+        on_get: Callable[[str], Pieces],
+        on_control: Callable[
+            [socket.socket, dict[str, Any], Callable[[dict[str, Any]], None]], None
+        ]
+        | None = None,
+    ) -> None:
         self._on_put = on_put
         self._on_get = on_get
         self._on_control = on_control
@@ -74,8 +79,11 @@ class DataServer:
                     except Exception as exc:  # noqa: BLE001 - reported to the reader
                         send_header(conn, {"error": f"{type(exc).__name__}: {exc}"})
                         return
-                    send_header(conn, {"pieces": [piece_meta(i, a) for i, a in pieces]},
-                          [a for _, a in pieces])
+                    send_header(
+                        conn,
+                        {"pieces": [piece_meta(i, a) for i, a in pieces]},
+                        [a for _, a in pieces],
+                    )
                 elif header.get("op") == "control" and self._on_control is not None:
                     self._on_control(conn, header, lambda reply: send_header(conn, reply))
                 else:

@@ -23,8 +23,10 @@ def dtype_of(name: str) -> np.dtype:
     try:
         dtype = np.dtype(getattr(ml_dtypes, name, name))
     except TypeError:
-        raise InvalidRequestError(f"unknown dtype {name!r}; use a numpy dtype name such as "
-                                  "'float32', 'bfloat16' or 'int32'") from None
+        raise InvalidRequestError(
+            f"unknown dtype {name!r}; use a numpy dtype name such as "
+            "'float32', 'bfloat16' or 'int32'"
+        ) from None
     if dtype.kind not in "biufc" and dtype.type.__module__ != "ml_dtypes":
         raise InvalidRequestError(f"dtype {name!r} cannot live on an accelerator")
     return dtype

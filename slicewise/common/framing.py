@@ -42,12 +42,16 @@ class ChannelError(ConnectionError):
 
 def piece_meta(index: Index, array: np.ndarray) -> dict[str, Any]:
     """What a header says of one piece: where it sits, its shape and its dtype."""
-    return {"index": [[s.start, s.stop] for s in index], "shape": list(array.shape),
-            "dtype": array.dtype.name}
+    return {
+        "index": [[s.start, s.stop] for s in index],
+        "shape": list(array.shape),
+        "dtype": array.dtype.name,
+    }
 
 
-def send_header(sock: socket.socket, header: dict[str, Any],
-                arrays: Sequence[np.ndarray] = ()) -> None:
+def send_header(
+    sock: socket.socket, header: dict[str, Any], arrays: Sequence[np.ndarray] = ()
+) -> None:
     """Sends a JSON header, then the raw bytes of `arrays` in order."""
     encoded = json.dumps(header).encode()
     sock.sendall(LENGTH.pack(len(encoded)) + encoded)

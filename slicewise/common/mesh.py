@@ -85,8 +85,9 @@ class MeshSpec:
             raise InvalidRequestError(f"mesh axis names repeat: {names}")
 
     @classmethod
-    def build(cls, dcn: Mapping[str, int] | None = None, ici: Mapping[str, int] | None = None
-              ) -> MeshSpec:
+    def build(
+        cls, dcn: Mapping[str, int] | None = None, ici: Mapping[str, int] | None = None
+    ) -> MeshSpec:
         """Builds a mesh from DCN axis sizes and ICI axis sizes; a name in both is hybrid.
 
         Axes come in the order DCN names first, then ICI names not already seen.

@@ -41,8 +41,16 @@ class SpanRecorder:
         self._spans: deque[Span] = deque(maxlen=capacity)
         self._lock = threading.Lock()
 
-    def record(self, name: str, category: str, start_us: int, end_us: int, *,
-               thread: str = "main", **args: Any) -> None:
+    def record(
+        self,
+        name: str,
+        category: str,
+        start_us: int,
+        end_us: int,
+        *,
+        thread: str = "main",
+        **args: Any,
+    ) -> None:
         span = Span(name, category, start_us, max(0, end_us - start_us), thread, args)
         with self._lock:
             self._spans.append(span)
@@ -51,8 +59,11 @@ class SpanRecorder:
         """Spans that started at or after `since_us` and whose args match `where`."""
         with self._lock:
             spans = list(self._spans)
-        return [s for s in spans if s.start_us >= since_us
-                and all(s.args.get(k) == v for k, v in (where or {}).items())]
+        return [
+            s
+            for s in spans
+            if s.start_us >= since_us and all(s.args.get(k) == v for k, v in (where or {}).items())
+        ]
 
 
 def chrome_trace(processes: Sequence[tuple[str, Iterable[Span]]]) -> dict[str, Any]:
@@ -60,15 +71,26 @@ def chrome_trace(processes: Sequence[tuple[str, Iterable[Span]]]) -> dict[str, A
     process, named, with one thread row per span thread."""
     events: list[dict[str, Any]] = []
     for pid, (process_name, spans) in enumerate(processes):
-        events.append({"name": "process_name", "ph": "M", "pid": pid,
-                       "args": {"name": process_name}})
+        events.append(
+            {"name": "process_name", "ph": "M", "pid": pid, "args": {"name": process_name}}
+        )
         threads: dict[str, int] = {}
         for span in spans:
             tid = threads.setdefault(span.thread, len(threads))
-            events.append({"name": span.name, "cat": span.category, "ph": "X",
-                           "ts": span.start_us, "dur": span.duration_us, "pid": pid,
-                           "tid": tid, "args": dict(span.args)})
+            events.append(
+                {
+                    "name": span.name,
+                    "cat": span.category,
+                    "ph": "X",
+                    "ts": span.start_us,
+                    "dur": span.duration_us,
+                    "pid": pid,
+                    "tid": tid,
+                    "args": dict(span.args),
+                }
+            )
         for thread, tid in threads.items():
-            events.append({"name": "thread_name", "ph": "M", "pid": pid, "tid": tid,
-                           "args": {"name": thread}})
+            events.append(
+                {"name": "thread_name", "ph": "M", "pid": pid, "tid": tid, "args": {"name": thread}}
+            )
     return {"traceEvents": events, "displayTimeUnit": "ms"}

@@ -38,22 +38,23 @@ def pytest_runtest_makereport(item, call):
             report.sections.append((f"controller log {path.name} (tail)", log_tail(path)))
 
 
-def start_controller(tmp_path_factory, name: str, *, extra_args=(), **kwargs
-                     ) -> ControllerProcess:
+def start_controller(tmp_path_factory, name: str, *, extra_args=(), **kwargs) -> ControllerProcess:
     """A controller subprocess whose stderr goes to a log shown when a test fails, and
     whose journal lives in the test's temporary directory."""
     directory = Path(tmp_path_factory.mktemp(name))
     path = directory / f"{name}.log"
     _LOGS.append(path)
     with open(path, "w") as log:
-        return ControllerProcess(stderr=log, extra_args=(
-            "--state-dir", str(directory / "state"), *extra_args), **kwargs)
+        return ControllerProcess(
+            stderr=log, extra_args=("--state-dir", str(directory / "state"), *extra_args), **kwargs
+        )
 
 
 @pytest.fixture(scope="session")
 def controller(tmp_path_factory):
-    proc = start_controller(tmp_path_factory, "shared-controller", sim=SHARED_SIM,
-                            extra_args=("--metrics-port", "0"))
+    proc = start_controller(
+        tmp_path_factory, "shared-controller", sim=SHARED_SIM, extra_args=("--metrics-port", "0")
+    )
     try:
         yield proc
     finally:

@@ -71,8 +71,10 @@ def test_wait_reports_ready_and_delete_frees_worker_memory(two_slices):
     gang = two_slices
     mesh = gang.mesh()
     before = sum(w.bytes for w in gang.stats().workers)
-    arrays = [gang.put(np.ones((256, 256), np.float32), mesh.sharding(("slice", "chip")))
-              for _ in range(3)]
+    arrays = [
+        gang.put(np.ones((256, 256), np.float32), mesh.sharding(("slice", "chip")))
+        for _ in range(3)
+    ]
     assert all(a.wait().state == pb.ARRAY_STATE_READY for a in arrays)
     grown = sum(w.bytes for w in gang.stats().workers)
     assert grown - before == 3 * 256 * 256 * 4

@@ -33,11 +33,14 @@ def test_fifty_chained_calls_are_queued_faster_than_one_call_runs(two_slices):
     for _ in range(CHAIN):
         current = step(current)
     queued_s = time.perf_counter() - started
-    print(f"one execution {single_s * 1e3:.0f} ms; {CHAIN} chained calls queued in "
-          f"{queued_s * 1e3:.0f} ms")
+    print(
+        f"one execution {single_s * 1e3:.0f} ms; {CHAIN} chained calls queued in "
+        f"{queued_s * 1e3:.0f} ms"
+    )
     assert queued_s < single_s, (
         f"queueing {CHAIN} calls took {queued_s:.3f} s, longer than one execution "
-        f"({single_s:.3f} s): dispatch is not asynchronous")
+        f"({single_s:.3f} s): dispatch is not asynchronous"
+    )
 
     np.testing.assert_array_equal(current.fetch(timeout=300), np.full(8, CHAIN + 1, np.float32))
 
@@ -60,10 +63,12 @@ def test_a_chain_of_calls_in_one_request(two_slices):
     last = inc.chain(128, x)
     np.testing.assert_array_equal(last.fetch(), np.full(8, 128, np.float32))
     double = gang.compile(jax.jit(lambda a, b: (a * 2, a + b)), x, x)
-    first, second = gang.execute_batch([
-        (inc, [x]),                                        # x + 1 = 1
-        (double, [slicewise.Output(0), slicewise.Output(0)]),  # (2, 2)
-    ])
+    first, second = gang.execute_batch(
+        [
+            (inc, [x]),  # x + 1 = 1
+            (double, [slicewise.Output(0), slicewise.Output(0)]),  # (2, 2)
+        ]
+    )
     np.testing.assert_array_equal(first.fetch(), np.ones(8))
     np.testing.assert_array_equal(second[0].fetch(), np.full(8, 2.0))
     np.testing.assert_array_equal(second[1].fetch(), np.full(8, 2.0))
@@ -76,6 +81,5 @@ def test_a_bad_call_in_a_batch_queues_nothing(two_slices):
     inc = gang.compile(jax.jit(lambda a: a + 1), x)
     before = gang.stats().dispatched
     with pytest.raises(slicewise.InvalidRequestError, match="call 2: input '@5:0' refers"):
-        gang.execute_batch([(inc, [x]), (inc, [slicewise.Output(0)]),
-                            (inc, [slicewise.Output(5)])])
+        gang.execute_batch([(inc, [x]), (inc, [slicewise.Output(0)]), (inc, [slicewise.Output(5)])])
     assert gang.stats().dispatched == before

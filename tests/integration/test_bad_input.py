@@ -27,13 +27,16 @@ pytestmark = pytest.mark.integration
 @pytest.fixture(scope="module")
 def bystander(controller):
     """Another client with its own one-slice gang and a program it keeps calling."""
-    with (slicewise.connect(controller.address, name="bystander") as c,
-          c.allocate(slices=1, slice_type="v5litepod-16", timeout=120) as gang):
+    with (
+        slicewise.connect(controller.address, name="bystander") as c,
+        c.allocate(slices=1, slice_type="v5litepod-16", timeout=120) as gang,
+    ):
         mesh = gang.mesh()
         x = gang.put(np.arange(16, dtype=np.float32), mesh.sharding("chip"))
         triple = gang.compile(jax.jit(lambda a: a * 3), x)
         yield lambda: np.testing.assert_array_equal(
-            triple(x).fetch(timeout=120), np.arange(16, dtype=np.float32) * 3)
+            triple(x).fetch(timeout=120), np.arange(16, dtype=np.float32) * 3
+        )
 
 
 @pytest.fixture(scope="module")
@@ -59,10 +62,11 @@ def test_corrupt_program_bytes(gang, bystander):
 def test_program_exported_for_another_device_count(gang, bystander):
     eight = AbstractMesh((8,), ("chip",))
     exported = jax.export.export(
-        jax.jit(lambda a: a + 1, in_shardings=NamedSharding(eight, P("chip"))),
-        platforms=["cpu"])(jax.ShapeDtypeStruct((8,), jnp.float32))
-    with pytest.raises(slicewise.InvalidRequestError,
-                       match=r"exported for 8 devices, but gang .* has 4") as e:
+        jax.jit(lambda a: a + 1, in_shardings=NamedSharding(eight, P("chip"))), platforms=["cpu"]
+    )(jax.ShapeDtypeStruct((8,), jnp.float32))
+    with pytest.raises(
+        slicewise.InvalidRequestError, match=r"exported for 8 devices, but gang .* has 4"
+    ) as e:
         gang.load(exported, gang.mesh(), name="four_devices")
     assert _code(e) == grpc.StatusCode.INVALID_ARGUMENT
     bystander()
@@ -71,16 +75,20 @@ def test_program_exported_for_another_device_count(gang, bystander):
 def test_program_exported_for_another_platform(gang, bystander):
     mesh = gang.mesh()
     exported = jax.export.export(jax.jit(lambda a: a + 1), platforms=["tpu"])(
-        jax.ShapeDtypeStruct((8,), jnp.float32, sharding=mesh.sharding("chip")))
+        jax.ShapeDtypeStruct((8,), jnp.float32, sharding=mesh.sharding("chip"))
+    )
     with pytest.raises(slicewise.InvalidRequestError, match="platforms=\\['cpu'\\]"):
         gang.load(exported, mesh, name="tpu_only")
     bystander()
 
 
-@pytest.mark.parametrize(("shape", "dtype", "match"), [
-    ((8, 5), np.float32, r"expected float32\[8,4\], got float32\[8,5\]"),
-    ((8, 4), np.int32, r"expected float32\[8,4\], got int32\[8,4\]"),
-])
+@pytest.mark.parametrize(
+    ("shape", "dtype", "match"),
+    [
+        ((8, 5), np.float32, r"expected float32\[8,4\], got float32\[8,5\]"),
+        ((8, 4), np.int32, r"expected float32\[8,4\], got int32\[8,4\]"),
+    ],
+)
 def test_input_of_wrong_shape_or_dtype(gang, bystander, shape, dtype, match):
     mesh = gang.mesh()
     good = gang.put(np.zeros((8, 4), np.float32), mesh.sharding("chip"))
@@ -109,8 +117,9 @@ def test_unknown_and_deleted_handles(gang, bystander):
         x.delete()
     stub = gang.client.stub
     with pytest.raises(grpc.RpcError) as raw:
-        stub.Execute(pb.ExecuteRequest(gang_id=gang.id, program_id=negate.id,
-                                       inputs=["no-such-handle"]))
+        stub.Execute(
+            pb.ExecuteRequest(gang_id=gang.id, program_id=negate.id, inputs=["no-such-handle"])
+        )
     assert raw.value.code() == grpc.StatusCode.NOT_FOUND
     assert "unknown to this controller" in raw.value.details()
     with pytest.raises(grpc.RpcError) as raw:
@@ -121,7 +130,9 @@ def test_unknown_and_deleted_handles(gang, bystander):
 
 
 def test_unknown_slice_type(client, bystander):
-    with pytest.raises(slicewise.InvalidRequestError, match="unknown slice type 'v5litepod-3'") as e:
+    with pytest.raises(
+        slicewise.InvalidRequestError, match="unknown slice type 'v5litepod-3'"
+    ) as e:
         client.allocate(slices=1, slice_type="v5litepod-3", timeout=10)
     assert _code(e) == grpc.StatusCode.INVALID_ARGUMENT
     assert "v5litepod-16" in str(e.value)  # the message lists what exists
@@ -129,8 +140,9 @@ def test_unknown_slice_type(client, bystander):
 
 
 def test_allocation_larger_than_the_whole_cluster(client, bystander):
-    with pytest.raises(slicewise.CapacityError,
-                       match=r"asked for 3 x v5litepod-4 but the whole cluster has 2") as e:
+    with pytest.raises(
+        slicewise.CapacityError, match=r"asked for 3 x v5litepod-4 but the whole cluster has 2"
+    ) as e:
         client.allocate(slices=3, slice_type="v5litepod-4", timeout=600)
     assert _code(e) == grpc.StatusCode.RESOURCE_EXHAUSTED
     with pytest.raises(slicewise.CapacityError, match="has 0 v5litepod-8"):
@@ -169,7 +181,10 @@ def test_malformed_streams(client, bystander):
         header = pb.PutChunk(header=pb.PutHeader(gang_id=g.id, spec=spec, sharding=sharding))
         cases = [
             ([pb.PutChunk(data=b"x" * 16)], "first message must be a header"),
-            ([header, pb.PutChunk(data=b"x" * 8)], "sent 8 bytes, but a float32\\[4\\] array has 16"),
+            (
+                [header, pb.PutChunk(data=b"x" * 8)],
+                "sent 8 bytes, but a float32\\[4\\] array has 16",
+            ),
             ([header, pb.PutChunk(data=b"x" * 20)], "more than the 16 bytes"),
         ]
         for messages, match in cases:
@@ -179,13 +194,25 @@ def test_malformed_streams(client, bystander):
             assert re.search(match, raw.value.details()), raw.value.details()
         bad_mesh = pb.ShardingSpec(mesh=pb.MeshSpec(axes=[pb.MeshAxis(name="chip", dcn=1, ici=8)]))
         with pytest.raises(grpc.RpcError) as raw:
-            stub.PutArray(iter([pb.PutChunk(header=pb.PutHeader(
-                gang_id=g.id, spec=spec, sharding=bad_mesh))]))
+            stub.PutArray(
+                iter([pb.PutChunk(header=pb.PutHeader(gang_id=g.id, spec=spec, sharding=bad_mesh))])
+            )
         assert raw.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert "ICI parts to 4" in raw.value.details()
         with pytest.raises(grpc.RpcError) as raw:
-            stub.PutArray(iter([pb.PutChunk(header=pb.PutHeader(
-                gang_id=g.id, spec=pb.ArraySpec(shape=[4], dtype="floot32"), sharding=sharding))]))
+            stub.PutArray(
+                iter(
+                    [
+                        pb.PutChunk(
+                            header=pb.PutHeader(
+                                gang_id=g.id,
+                                spec=pb.ArraySpec(shape=[4], dtype="floot32"),
+                                sharding=sharding,
+                            )
+                        )
+                    ]
+                )
+            )
         assert raw.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert "unknown dtype 'floot32'" in raw.value.details()
     bystander()

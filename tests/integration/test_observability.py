@@ -30,8 +30,11 @@ def scrape(url: str) -> dict[str, float]:
 
 def total(samples: dict[str, float], name: str, **labels: str) -> float:
     want = [f'{k}="{v}"' for k, v in labels.items()]
-    return sum(v for k, v in samples.items()
-               if re.match(rf"{name}(\{{|$)", k) and all(w in k for w in want))
+    return sum(
+        v
+        for k, v in samples.items()
+        if re.match(rf"{name}(\{{|$)", k) and all(w in k for w in want)
+    )
 
 
 def test_metrics_endpoint_moves_during_a_run(controller, client):
@@ -58,10 +61,16 @@ def test_metrics_endpoint_moves_during_a_run(controller, client):
     ]:
         grew = total(after, name, **labels) - total(before, name, **labels)
         assert grew > 0, f"{name}{labels} did not move ({grew})"
-    assert total(after, "slicewise_operations_total", kind="exec") - total(
-        before, "slicewise_operations_total", kind="exec") >= 10
-    assert total(after, "slicewise_bytes_total", direction="put") - total(
-        before, "slicewise_bytes_total", direction="put") == 64 * 64 * 4
+    assert (
+        total(after, "slicewise_operations_total", kind="exec")
+        - total(before, "slicewise_operations_total", kind="exec")
+        >= 10
+    )
+    assert (
+        total(after, "slicewise_bytes_total", direction="put")
+        - total(before, "slicewise_bytes_total", direction="put")
+        == 64 * 64 * 4
+    )
     refused_before = total(before, "slicewise_failures_total")
     with pytest.raises(Exception, match="unknown slice type"):
         client.allocate(slices=1, slice_type="v5litepod-3")
@@ -80,19 +89,38 @@ def test_trace_has_spans_from_every_host_of_the_gang(controller, client, tmp_pat
         gang_id = gang.id
     # After release, from the command line, as a user would.
     out = tmp_path / "trace.json"
-    done = subprocess.run([sys.executable, "-m", "controller.cli", "trace", gang_id, "-o",
-                           str(out), "--controller", controller.address],
-                          capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "controller.cli",
+            "trace",
+            gang_id,
+            "-o",
+            str(out),
+            "--controller",
+            controller.address,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 0, done.stderr
     trace = json.loads(out.read_text())
-    names = {e["pid"]: e["args"]["name"] for e in trace["traceEvents"] if e["ph"] == "M"
-             and e["name"] == "process_name"}
+    names = {
+        e["pid"]: e["args"]["name"]
+        for e in trace["traceEvents"]
+        if e["ph"] == "M" and e["name"] == "process_name"
+    }
     spans = [e for e in trace["traceEvents"] if e["ph"] == "X"]
     hosts = {p for p, n in names.items() if n.startswith("host ")}
     assert len(hosts) == 4, names  # v5litepod-16: 4 hosts
     for pid in hosts:
-        executes = [s for s in spans if s["pid"] == pid and s["cat"] == "execute"
-                    and s["name"].startswith("execute ")]
+        executes = [
+            s
+            for s in spans
+            if s["pid"] == pid and s["cat"] == "execute" and s["name"].startswith("execute ")
+        ]
         assert len(executes) >= 5, (names[pid], len(executes))
         assert any(s["cat"] == "transfer" for s in spans if s["pid"] == pid), names[pid]
     controller_pid = next(p for p, n in names.items() if n == "controller")

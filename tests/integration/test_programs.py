@@ -21,8 +21,9 @@ def _run_dcn_sum_matmul(gang, mesh, rows_per_slice: int):
     wr = gang.put(w, mesh.sharding(None, "model"))
     step = gang.compile(dcn_sum_matmul(mesh.abstract), xr, wr)
     z = step(xr, wr).fetch()
-    np.testing.assert_allclose(z, dcn_sum_matmul_reference(x, w, gang.num_slices),
-                               rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(
+        z, dcn_sum_matmul_reference(x, w, gang.num_slices), rtol=1e-4, atol=1e-4
+    )
     return z
 
 
@@ -103,8 +104,11 @@ def test_shard_map_over_both_axes_with_explicit_collectives(two_slices):
     def two_level_sum(block):
         return jax.lax.psum(jax.lax.psum(block, "chip"), "slice")
 
-    fn = jax.jit(jax.shard_map(two_level_sum, mesh=mesh.abstract,
-                               in_specs=P(("slice", "chip")), out_specs=P()))
+    fn = jax.jit(
+        jax.shard_map(
+            two_level_sum, mesh=mesh.abstract, in_specs=P(("slice", "chip")), out_specs=P()
+        )
+    )
     x = np.arange(8, dtype=np.float32)
     xr = gang.put(x, mesh.sharding(("slice", "chip")))
     np.testing.assert_allclose(gang.compile(fn, xr)(xr).fetch(), [x.sum()], rtol=1e-6)

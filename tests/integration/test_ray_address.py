@@ -27,7 +27,10 @@ pytestmark = pytest.mark.integration
 def external_cluster():
     proc = subprocess.Popen(
         [sys.executable, "-m", "controller.cli", "cluster", "--sim", "2xv5litepod-1"],
-        stdout=subprocess.PIPE, text=True, start_new_session=True)
+        stdout=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
     try:
         address = None
         deadline = time.monotonic() + 180
@@ -41,16 +44,18 @@ def external_cluster():
         assert stop_process(proc) == 0
 
 
-def test_controller_joins_an_existing_cluster_and_leaves_it_running(tmp_path_factory,
-                                                                    external_cluster):
+def test_controller_joins_an_existing_cluster_and_leaves_it_running(
+    tmp_path_factory, external_cluster
+):
     cluster_proc, address = external_cluster
     # Started from a directory whose modules share our package names: neither the
     # controller nor its Ray workers may import them.
     decoys = tmp_path_factory.mktemp("decoys")
     for name in ("worker", "controller", "programs"):
         (decoys / f"{name}.py").write_text(f"raise ImportError('decoy {name}.py was imported')\n")
-    controller = start_controller(tmp_path_factory, "ray-address", ray_address=address,
-                                  cwd=str(decoys))
+    controller = start_controller(
+        tmp_path_factory, "ray-address", ray_address=address, cwd=str(decoys)
+    )
     try:
         with slicewise.connect(controller.address) as client:
             health = client.health()

@@ -31,8 +31,7 @@ def test_readme_client_script_runs_as_written(controller, tmp_path):
     assert '"127.0.0.1:50051"' in script
     path = tmp_path / "client.py"
     path.write_text(script.replace("127.0.0.1:50051", controller.address))
-    done = subprocess.run([sys.executable, str(path)], capture_output=True, text=True,
-                          timeout=240)
+    done = subprocess.run([sys.executable, str(path)], capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, done.stderr[-3000:]
     rows = [r for r in done.stdout.splitlines() if r.strip()]
     assert len(rows) == 8 and all(r.strip("[] ").split() == ["64."] * 8 for r in rows), done.stdout

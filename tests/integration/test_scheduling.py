@@ -39,9 +39,13 @@ def failpoints(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def sched_controller(tmp_path_factory, cluster, failpoints):
-    controller = start_controller(tmp_path_factory, "scheduling", ray_address=cluster.address,
-                                  env={"SLICEWISE_FAILPOINTS": str(failpoints)},
-                                  extra_args=("--preemption-grace", "5"))
+    controller = start_controller(
+        tmp_path_factory,
+        "scheduling",
+        ray_address=cluster.address,
+        env={"SLICEWISE_FAILPOINTS": str(failpoints)},
+        extra_args=("--preemption-grace", "5"),
+    )
     try:
         yield controller
     finally:
@@ -57,8 +61,12 @@ def ray_table(sched_controller):
         import ray
 
         def table():
-            return {pg["name"]: pg for pg in ray.util.placement_group_table().values()
-                    if pg["name"].startswith("slicewise-")}
+            return {
+                pg["name"]: pg
+                for pg in ray.util.placement_group_table().values()
+                if pg["name"].startswith("slicewise-")
+            }
+
         yield table
 
 
@@ -114,11 +122,11 @@ def test_two_clients_ask_for_three_of_four_slices_at_once(sched_controller, ray_
     assert all(not t.is_alive() for t in threads), "a client hung"
     assert not seen_partial, seen_partial
     first, second = sorted(results.values(), key=lambda r: r[0][0])
-    assert first[1] == second[1] == [2.0] * 12          # both ran, correctly
-    assert second[0][0] >= first[-1][0] - 1.0         # the second ran after the first released
+    assert first[1] == second[1] == [2.0] * 12  # both ran, correctly
+    assert second[0][0] >= first[-1][0] - 1.0  # the second ran after the first released
     assert queue_seen and queue_seen[0].num_slices == 3 and queue_seen[0].position == 0
     assert "free" in queue_seen[0].reason
-    assert set(held_while_waiting) == {3}              # never more, never a part of a gang
+    assert set(held_while_waiting) == {3}  # never more, never a part of a gang
     assert not [pg for pg in ray_table().values() if pg["state"] != "REMOVED"]
 
 
@@ -130,8 +138,9 @@ def test_a_shared_gang_interleaves_two_clients_by_weight(sched_controller):
 
     def client_run(name, weight):
         with slicewise.connect(sched_controller.address, name=name) as c:
-            gang = c.allocate(slices=2, slice_type="v5litepod-4", shared="team", weight=weight,
-                              timeout=300)
+            gang = c.allocate(
+                slices=2, slice_type="v5litepod-4", shared="team", weight=weight, timeout=300
+            )
             mesh = gang.mesh(dcn={"slice": 2}, ici={"chip": 4})
             y = gang.put(np.zeros(8, np.float32), mesh.sharding(("slice", "chip")))
             step = gang.compile(allreduce_add(mesh.abstract, ("slice", "chip")), y)
@@ -152,8 +161,10 @@ def test_a_shared_gang_interleaves_two_clients_by_weight(sched_controller):
             out[name]["value"] = y.fetch(timeout=300).tolist()
             gang.release()
 
-    threads = [threading.Thread(target=client_run, args=(n, w)) for n, w in
-               [("light", 1.0), ("heavy", 2.0)]]
+    threads = [
+        threading.Thread(target=client_run, args=(n, w))
+        for n, w in [("light", 1.0), ("heavy", 2.0)]
+    ]
     for t in threads:
         t.start()
     ready.wait(timeout=300)
@@ -173,8 +184,9 @@ def test_a_shared_gang_interleaves_two_clients_by_weight(sched_controller):
     assert all(not t.is_alive() for t in threads), "a client hung"
     light = after["light"] - before["light"]
     heavy = after["heavy"] - before["heavy"]
-    print(f"shared gang over 20 s: light {light}, heavy {heavy} programs "
-          f"(ratio {light / heavy:.3f})")
+    print(
+        f"shared gang over 20 s: light {light}, heavy {heavy} programs (ratio {light / heavy:.3f})"
+    )
     assert heavy > 100, (before, after)
     assert abs(light / heavy - 0.5) <= 0.05, (before, after)
     for name in ("light", "heavy"):  # every call's result, in order: pmean + 1 each time
@@ -182,13 +194,19 @@ def test_a_shared_gang_interleaves_two_clients_by_weight(sched_controller):
 
 
 def test_a_higher_priority_request_preempts_a_whole_lower_priority_gang(sched_controller):
-    with slicewise.connect(sched_controller.address, name="low") as low_client, \
-            slicewise.connect(sched_controller.address, name="high") as high_client:
+    with (
+        slicewise.connect(sched_controller.address, name="low") as low_client,
+        slicewise.connect(sched_controller.address, name="high") as high_client,
+    ):
         low = low_client.allocate(slices=2, slice_type="v5litepod-4", priority=0)
         other = low_client.allocate(slices=1, slice_type="v5litepod-4", priority=5)
         events = []
-        watcher = threading.Thread(target=lambda: events.extend(
-            (time.monotonic(), e.kind, e.grace_s) for e in low.events()), daemon=True)
+        watcher = threading.Thread(
+            target=lambda: events.extend(
+                (time.monotonic(), e.kind, e.grace_s) for e in low.events()
+            ),
+            daemon=True,
+        )
         watcher.start()
         time.sleep(0.5)
         mesh = low.mesh()
@@ -197,19 +215,24 @@ def test_a_higher_priority_request_preempts_a_whole_lower_priority_gang(sched_co
         assert double(x).fetch().tolist() == [2.0] * 8
 
         asked = time.monotonic()
-        high = high_client.allocate(slices=3, slice_type="v5litepod-4", priority=10,
-                                    timeout=120)
+        high = high_client.allocate(slices=3, slice_type="v5litepod-4", priority=10, timeout=120)
         admitted = time.monotonic()
         kinds = [k for _, k, _ in events]
         assert kinds[:2] == ["preempt", "preempted"], events
         assert 3.0 < events[0][2] <= 5.0  # the grace period it was given
-        assert admitted - asked >= 4.0   # it waited out the grace period
+        assert admitted - asked >= 4.0  # it waited out the grace period
         assert set(high.slices) >= set(low.slices)  # took the victim's slices, all of them
         with pytest.raises(slicewise.FailedPreconditionError, match="was preempted"):
             double(x)
         # The priority-5 gang was not the cheapest victim... it kept its slice.
-        assert other.compile(jax.jit(lambda a: a + 1), np.zeros(4, np.float32))(
-            np.zeros(4, np.float32)).fetch().tolist() == [1.0] * 4
+        assert (
+            other.compile(jax.jit(lambda a: a + 1), np.zeros(4, np.float32))(
+                np.zeros(4, np.float32)
+            )
+            .fetch()
+            .tolist()
+            == [1.0] * 4
+        )
         other.release()
         high.release()
 
@@ -223,7 +246,8 @@ def test_a_higher_priority_request_preempts_a_whole_lower_priority_gang(sched_co
 
 
 def test_a_host_lost_during_reservation_is_rolled_back_and_retried_elsewhere(
-        sched_controller, cluster, failpoints, ray_table):
+    sched_controller, cluster, failpoints, ray_table
+):
     failpoints.write_text(json.dumps({"reserve_delay_s": 3}))
     outcome: list = []
 
@@ -232,9 +256,13 @@ def test_a_host_lost_during_reservation_is_rolled_back_and_retried_elsewhere(
             try:
                 gang = c.allocate(slices=3, slice_type="v5litepod-4", timeout=300)
                 outcome.append(gang)
-                outcome.append(gang.compile(jax.jit(lambda a: a + 1),
-                                            np.zeros(12, np.float32))(
-                    np.zeros(12, np.float32)).fetch().tolist())
+                outcome.append(
+                    gang.compile(jax.jit(lambda a: a + 1), np.zeros(12, np.float32))(
+                        np.zeros(12, np.float32)
+                    )
+                    .fetch()
+                    .tolist()
+                )
                 gang.release()
             except Exception as exc:  # noqa: BLE001 - reported by the assertion below
                 outcome.append(exc)

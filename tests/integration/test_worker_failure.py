@@ -34,8 +34,10 @@ def test_killed_worker_fails_the_gang_with_a_clear_error_and_frees_its_slices(cl
             except slicewise.SlicewiseError as exc:
                 error = exc
         assert error is not None, "the gang kept answering after one of its workers died"
-        with pytest.raises(slicewise.FailedPreconditionError,
-                           match=f"gang {gang.id} failed .*release it and allocate a new one"):
+        with pytest.raises(
+            slicewise.FailedPreconditionError,
+            match=f"gang {gang.id} failed .*release it and allocate a new one",
+        ):
             inc(x)
     finally:
         gang.release()
@@ -43,4 +45,5 @@ def test_killed_worker_fails_the_gang_with_a_clear_error_and_frees_its_slices(cl
         mesh = again.mesh()
         y = again.put(np.arange(8, dtype=np.float32), mesh.sharding(("slice", "chip")))
         assert again.compile(jax.jit(lambda a: a * 2), y)(y).fetch().tolist() == list(
-            np.arange(8, dtype=np.float32) * 2)
+            np.arange(8, dtype=np.float32) * 2
+        )

@@ -137,10 +137,13 @@ def scale_and_cast(x, y):
 
 def export(mesh, x_dtype=jnp.float32):
     abstract = mesh.abstract()
-    fn = jax.jit(scale_and_cast, in_shardings=(NamedSharding(abstract, P(("slice", "data"))),
-                                               NamedSharding(abstract, P())))
+    fn = jax.jit(
+        scale_and_cast,
+        in_shardings=(NamedSharding(abstract, P(("slice", "data"))), NamedSharding(abstract, P())),
+    )
     exported = jax.export.export(fn, platforms=["cpu"])(
-        jax.ShapeDtypeStruct((16,), x_dtype), jax.ShapeDtypeStruct((3, 2), jnp.float32))
+        jax.ShapeDtypeStruct((16,), x_dtype), jax.ShapeDtypeStruct((3, 2), jnp.float32)
+    )
     return bytes(exported.serialize())
 
 
@@ -207,16 +210,22 @@ def test_check_inputs_accepts_the_exported_signature(program):
 
 
 def test_check_inputs_refuses_the_wrong_number_of_inputs(program):
-    with pytest.raises(ProgramMismatchError,
-                       match=r"takes 2 input\(s\) \(float32\[16\], float32\[3,2\]\) but was "
-                             "called with 1"):
+    with pytest.raises(
+        ProgramMismatchError,
+        match=r"takes 2 input\(s\) \(float32\[16\], float32\[3,2\]\) but was "
+        "called with 1",
+    ):
         program.check_inputs([program.inputs[0]], ["g1/a1"])
 
 
-@pytest.mark.parametrize(("wrong", "text"), [
-    (ArraySpec((3, 3), "float32"), r"expected float32\[3,2\], got float32\[3,3\]"),
-    (ArraySpec((3, 2), "int32"), r"expected float32\[3,2\], got int32\[3,2\]"),
-], ids=["shape", "dtype"])
+@pytest.mark.parametrize(
+    ("wrong", "text"),
+    [
+        (ArraySpec((3, 3), "float32"), r"expected float32\[3,2\], got float32\[3,3\]"),
+        (ArraySpec((3, 2), "int32"), r"expected float32\[3,2\], got int32\[3,2\]"),
+    ],
+    ids=["shape", "dtype"],
+)
 def test_check_inputs_refuses_a_mismatched_input_naming_expected_and_got(program, wrong, text):
     with pytest.raises(ProgramMismatchError, match=rf"input 1 .*{text} \(array g1/a2\)"):
         program.check_inputs([program.inputs[0], wrong], ["g1/a1", "g1/a2"])

@@ -27,8 +27,10 @@ class Worker:
     def __init__(self, epoch=1, apply=lambda op: None):
         self.end = WorkerEnd(TOKEN, epoch, self.submit)
         self.executor = InOrderExecutor(
-            apply, on_done=lambda op, s, f, result: self.end.completed(result),
-            on_idle=self.end.flush)
+            apply,
+            on_done=lambda op, s, f, result: self.end.completed(result),
+            on_idle=self.end.flush,
+        )
         self.server = DataServer("127.0.0.1", self.no_put, self.no_get, self.end.serve)
         self.batches = []
 
@@ -81,6 +83,7 @@ def test_errors_of_operations_come_back_with_their_completion():
 
     w = Worker(apply=apply)
     try:
+
         async def scenario():
             channel = await ControllerEnd.connect(w.server.address, TOKEN, 1, "host 0")
             await channel.send([DeleteOp(1, ()), DeleteOp(2, ())])
@@ -96,8 +99,9 @@ def test_errors_of_operations_come_back_with_their_completion():
     assert [r.error for r in results] == [None, "ValueError: bad op"]
 
 
-@pytest.mark.parametrize("token, epoch, reason", [
-    ("wrong", 1, "token"), ("", 1, "token"), (TOKEN, 2, "stale epoch")])
+@pytest.mark.parametrize(
+    "token, epoch, reason", [("wrong", 1, "token"), ("", 1, "token"), (TOKEN, 2, "stale epoch")]
+)
 def test_a_hello_without_the_token_or_epoch_is_refused(worker, token, epoch, reason):
     async def scenario():
         with pytest.raises(ChannelError, match=reason):

@@ -28,8 +28,7 @@ class FakeWorkers:
     """The dispatcher's transport: `send` records batches; each op completes on its
     worker (in order) unless held back; `poll` waits for the next completions."""
 
-    def __init__(self, num_workers, *, errors=None, send_raises=None, poll_raises=None,
-                 hold=False):
+    def __init__(self, num_workers, *, errors=None, send_raises=None, poll_raises=None, hold=False):
         self.batches = {w: [] for w in range(num_workers)}
         self.errors = errors or {}  # (worker, seq) -> error message
         self.send_raises = send_raises
@@ -55,7 +54,9 @@ class FakeWorkers:
         count = len(self.queued[worker]) if count is None else count
         ops = self.queued[worker][:count]
         for i in order or range(len(ops)):
-            self.completed[worker].append(OpResult(ops[i].seq, self.errors.get((worker, ops[i].seq))))
+            self.completed[worker].append(
+                OpResult(ops[i].seq, self.errors.get((worker, ops[i].seq)))
+            )
         del self.queued[worker][:count]
         self.changed.set()
 
@@ -63,7 +64,7 @@ class FakeWorkers:
         while True:
             if self.poll_raises is not None:
                 raise self.poll_raises
-            ready = self.completed[worker][self.cursors[worker]:]
+            ready = self.completed[worker][self.cursors[worker] :]
             if ready:
                 self.cursors[worker] += len(ready)
                 return ready
@@ -181,8 +182,9 @@ def test_a_broken_transport_fails_everything_and_refuses_more(where):
     async def scenario():
         error = ConnectionError("worker 0 died")
         workers = FakeWorkers(2, hold=True, **{f"{where}_raises": error})
-        dispatcher = Dispatcher(workers.send, workers.poll, 2, max_in_flight=2,
-                                on_broken=broken_calls.append)
+        dispatcher = Dispatcher(
+            workers.send, workers.poll, 2, max_in_flight=2, on_broken=broken_calls.append
+        )
         dones = [dispatcher.submit(delete).done for _ in range(5)]
         results = await asyncio.gather(*dones)
         with pytest.raises(GangBrokenError, match="worker 0 died"):
@@ -201,8 +203,9 @@ def test_close_fails_pending_work_without_calling_it_broken():
 
     async def scenario():
         workers = FakeWorkers(1, hold=True)
-        dispatcher = Dispatcher(workers.send, workers.poll, 1, max_in_flight=1,
-                                on_broken=broken_calls.append)
+        dispatcher = Dispatcher(
+            workers.send, workers.poll, 1, max_in_flight=1, on_broken=broken_calls.append
+        )
         dones = [dispatcher.submit(delete).done for _ in range(3)]
         await until(lambda: workers.queued[0])
         await dispatcher.close("gang g1 was released")
@@ -217,20 +220,24 @@ def test_observer_hears_every_settled_op_with_its_kind_and_timing():
 
     async def scenario():
         workers = FakeWorkers(1, errors={(0, 2): "bad"})
-        dispatcher = Dispatcher(workers.send, workers.poll, 1,
-                                observer=lambda *args: seen.append(args))
+        dispatcher = Dispatcher(
+            workers.send, workers.poll, 1, observer=lambda *args: seen.append(args)
+        )
         await asyncio.gather(*(dispatcher.submit(delete).done for _ in range(2)))
         await dispatcher.close("done")
 
     run(scenario())
     assert [(kind, seq, error) for kind, seq, _, _, error in seen] == [
-        ("delete", 1, None), ("delete", 2, "bad")]
+        ("delete", 1, None),
+        ("delete", 2, "bad"),
+    ]
     assert all(settled >= queued for _, _, queued, settled, _ in seen)
 
 
 def test_completions_out_of_sequence_order_are_all_counted():
     """An upload completes at once while earlier programs still run: the later seq is
     reported first, and the earlier ones must still settle."""
+
     async def scenario():
         workers = FakeWorkers(2, hold=True)
         dispatcher = Dispatcher(workers.send, workers.poll, 2)

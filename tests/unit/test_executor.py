@@ -73,7 +73,8 @@ class FakeDevice:
     def wait_launched(self, seq):
         with self._cond:
             assert self._cond.wait_for(lambda: seq in self.launched, TIMEOUT), (
-                f"op {seq} was never launched; launched {self.launched}")
+                f"op {seq} was never launched; launched {self.launched}"
+            )
 
     def stays_unlaunched(self, seq):
         with self._cond:
@@ -181,8 +182,12 @@ def test_launching_beyond_the_window_waits_for_the_oldest_op(start):
 def test_on_idle_runs_before_every_wait_and_after_each_run_of_completions(start):
     events = []
     device = FakeDevice(gated=True)
-    executor = start(device, window=2, on_done=lambda o, s, f, r: events.append(r.seq),
-                     on_idle=lambda: events.append("idle"))
+    executor = start(
+        device,
+        window=2,
+        on_done=lambda o, s, f, r: events.append(r.seq),
+        on_idle=lambda: events.append("idle"),
+    )
     first, second = executor.submit([op(1), op(2)])
     device.wait_launched(2)
     device.open_all()
@@ -212,8 +217,10 @@ def test_apply_raising_fails_that_op_and_calls_on_failure(start):
 def test_pending_wait_raising_fails_that_op_and_calls_on_failure(start):
     failures = []
     exec_op = ExecOp(2, "prog", ("x",), ("y",))
-    executor = start(FakeDevice(wait_errors={2: RuntimeError("device lost")}),
-                     on_failure=lambda o, message: failures.append((o, message)))
+    executor = start(
+        FakeDevice(wait_errors={2: RuntimeError("device lost")}),
+        on_failure=lambda o, message: failures.append((o, message)),
+    )
     got = executor.run([op(1), exec_op, op(3)], timeout=TIMEOUT)
     assert [r.error for r in got] == [None, "RuntimeError: device lost", None]
     assert failures == [(exec_op, "RuntimeError: device lost")]

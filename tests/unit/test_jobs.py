@@ -20,13 +20,18 @@ def test_the_normal_life_of_a_job():
     assert job.state is JobState.SUCCEEDED and job.epoch == 1
 
 
-@pytest.mark.parametrize(("path", "bad"), [
-    ((), JobState.RUNNING),                                  # queued cannot run
-    ((JobState.ADMITTED,), JobState.SUCCEEDED),              # nor succeed unstarted
-    ((JobState.CANCELLED,), JobState.RUNNING),               # terminal states are final
-    ((JobState.ADMITTED, JobState.STARTING, JobState.RUNNING, JobState.FAILED),
-     JobState.RECOVERING),
-])
+@pytest.mark.parametrize(
+    ("path", "bad"),
+    [
+        ((), JobState.RUNNING),  # queued cannot run
+        ((JobState.ADMITTED,), JobState.SUCCEEDED),  # nor succeed unstarted
+        ((JobState.CANCELLED,), JobState.RUNNING),  # terminal states are final
+        (
+            (JobState.ADMITTED, JobState.STARTING, JobState.RUNNING, JobState.FAILED),
+            JobState.RECOVERING,
+        ),
+    ],
+)
 def test_transitions_outside_the_table_are_refused(path, bad):
     job = Job("j1", spec())
     for state in path:
@@ -62,7 +67,8 @@ def test_default_mesh_is_data_over_slices_and_fsdp_inside():
     mesh = spec().mesh_for(GangShape(2, 1, 4))
     assert mesh.axes == (MeshAxis("data", 2, 1), MeshAxis("fsdp", 1, 4))
     custom = spec(mesh=(("data", 2, 1), ("fsdp", 1, 2), ("tensor", 1, 2))).mesh_for(
-        GangShape(2, 1, 4))
+        GangShape(2, 1, 4)
+    )
     assert custom.shape == (2, 2, 2)
     with pytest.raises(ProgramMismatchError, match="ICI parts to 4"):
         spec(mesh=(("data", 2, 1), ("fsdp", 1, 8))).mesh_for(GangShape(2, 1, 4))
@@ -73,8 +79,13 @@ def test_journal_keeps_jobs_and_steps(tmp_path):
     assert journal.next_job_number() == 1
     journal.add_job("j1", 1, spec().to_json(), "queued", 100.0)
     journal.update_job("j1", 101.0, state="running", step=2, gang_id="g4")
-    journal.add_steps("j1", [StepRecord(0, 5.5, 1.0, 1e-3, 0.2, 5000.0, 100.5),
-                             StepRecord(1, 5.0, 0.9, 2e-3, 0.1, 10000.0, 100.6)])
+    journal.add_steps(
+        "j1",
+        [
+            StepRecord(0, 5.5, 1.0, 1e-3, 0.2, 5000.0, 100.5),
+            StepRecord(1, 5.0, 0.9, 2e-3, 0.1, 10000.0, 100.6),
+        ],
+    )
     journal.close()
 
     again = Journal(tmp_path / "j.sqlite")  # a new process would see the same
@@ -98,5 +109,4 @@ def test_a_restarted_controller_marks_unfinished_jobs_failed(tmp_path):
     assert runner.jobs["j1"].error == "the controller restarted"
     assert runner.jobs["j2"].state is JobState.SUCCEEDED
     assert runner.jobs["j1"].last.loss == 5.5
-    assert {j["job_id"]: j["state"] for j in journal.jobs()} == {"j1": "failed",
-                                                                 "j2": "succeeded"}
+    assert {j["job_id"]: j["state"] for j in journal.jobs()} == {"j1": "failed", "j2": "succeeded"}

@@ -37,8 +37,15 @@ ALLOWED = {
     "slicewise": {"slicewise", "common", "protos"},
     "programs": {"programs", "common"},
     "worker": {"worker", "programs", "common"},
-    "controller": {"controller", "worker", "programs", "slicewise", "common", "protos",
-                   "benchmarks"},
+    "controller": {
+        "controller",
+        "worker",
+        "programs",
+        "slicewise",
+        "common",
+        "protos",
+        "benchmarks",
+    },
 }
 # controller/ names the actor class it launches, and nothing else of worker/.
 CONTROLLER_MAY_IMPORT_FROM_WORKER = {"worker.actor"}
@@ -82,10 +89,12 @@ def violations(package: str, root: Path = ROOT) -> list[str]:
             if target not in ALLOWED[layer]:
                 bad.append(f"{where}:{line}: {layer} imports {module}")
             elif (layer, target) == ("controller", "worker") and not any(
-                    module == m or module.startswith(m + ".")
-                    for m in CONTROLLER_MAY_IMPORT_FROM_WORKER):
-                bad.append(f"{where}:{line}: controller imports {module} "
-                           "(only worker.actor, to name the actor class it launches)")
+                module == m or module.startswith(m + ".") for m in CONTROLLER_MAY_IMPORT_FROM_WORKER
+            ):
+                bad.append(
+                    f"{where}:{line}: controller imports {module} "
+                    "(only worker.actor, to name the actor class it launches)"
+                )
     return bad
 
 
@@ -102,11 +111,13 @@ def test_the_check_sees_forbidden_imports(tmp_path):
     (tmp_path / "controller" / "gang.py").write_text("from worker.executor import X\n")
     (tmp_path / "worker" / "executor.py").write_text("X = 1\n")
     (tmp_path / "worker" / "bad.py").write_text(
-        "def f():\n    from controller import gang\n    return gang\n")
+        "def f():\n    from controller import gang\n    return gang\n"
+    )
     assert violations("worker", tmp_path) == ["worker/bad.py:2: worker imports controller.gang"]
     assert violations("controller", tmp_path) == [
         "controller/gang.py:1: controller imports worker.executor (only worker.actor, to "
-        "name the actor class it launches)"]
+        "name the actor class it launches)"
+    ]
 
 
 def test_the_client_library_imports_without_the_server():
@@ -115,9 +126,12 @@ def test_the_client_library_imports_without_the_server():
     import subprocess
     import sys
 
-    code = ("import sys, slicewise, slicewise.client; "
-            "bad = [m for m in sys.modules if m.split('.')[0] in ('controller', 'worker')]; "
-            "print(bad); sys.exit(1 if bad else 0)")
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                            timeout=120, cwd=ROOT)
+    code = (
+        "import sys, slicewise, slicewise.client; "
+        "bad = [m for m in sys.modules if m.split('.')[0] in ('controller', 'worker')]; "
+        "print(bad); sys.exit(1 if bad else 0)"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT
+    )
     assert result.returncode == 0, result.stdout + result.stderr

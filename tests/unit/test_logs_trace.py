@@ -74,7 +74,10 @@ def test_chrome_trace_names_processes_and_threads():
     assert procs == {0: "controller", 1: "host 0 of slice s"}
     spans = [e for e in events if e["ph"] == "X"]
     assert {(e["pid"], e["name"], e["dur"]) for e in spans} == {
-        (0, "dispatch exec", 10), (1, "execute f", 7), (1, "receive pieces", 4)}
+        (0, "dispatch exec", 10),
+        (1, "execute f", 7),
+        (1, "receive pieces", 4),
+    }
     threads = {(e["pid"], e["args"]["name"]) for e in events if e["name"] == "thread_name"}
     assert threads == {(0, "gang g1"), (1, "executor"), (1, "data")}
     json.dumps(trace)  # serializable as is

@@ -38,9 +38,13 @@ def test_mesh_that_does_not_cover_the_gang_is_refused_with_the_numbers():
         MeshSpec.build({"slice": 1}, {"chip": 8}).device_grid(TWO_BY_FOUR)
 
 
-@pytest.mark.parametrize("bad", [
-    dict(dcn={"1x": 2}), dict(dcn={"a": 0}),
-])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        dict(dcn={"1x": 2}),
+        dict(dcn={"a": 0}),
+    ],
+)
 def test_bad_axes_are_refused(bad):
     with pytest.raises(InvalidRequestError):
         MeshSpec.build(**bad)

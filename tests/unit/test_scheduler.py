@@ -38,8 +38,10 @@ def node(slice_name, pod_type, worker_id, *, alive=True, node_id=None, chips=Non
 
 
 def whole_slice(name, stype, *, dead=()):
-    hosts = tuple(Host(f"{name}-h{i}", f"10.0.0.{i}", i, stype.chips_per_host, i not in dead)
-                  for i in range(stype.hosts))
+    hosts = tuple(
+        Host(f"{name}-h{i}", f"10.0.0.{i}", i, stype.chips_per_host, i not in dead)
+        for i in range(stype.hosts)
+    )
     return Slice(name, stype, hosts, simulated=True)
 
 
@@ -53,7 +55,9 @@ def scheduler_with(*slices):
 
 
 def test_slices_from_nodes_groups_hosts_by_slice_name():
-    nodes = [node("big", "v5litepod-16", w) for w in (2, 0, 3, 1)] + [node("small", "v5litepod-8", 0)]
+    nodes = [node("big", "v5litepod-16", w) for w in (2, 0, 3, 1)] + [
+        node("small", "v5litepod-8", 0)
+    ]
     slices = slices_from_nodes(nodes)
     assert sorted(slices) == ["big", "small"]
     assert slices["big"].type == V16
@@ -76,11 +80,15 @@ def test_single_host_slice_without_a_name_label_is_named_after_its_node():
     assert list(slices) == ["abc123"]
 
 
-@pytest.mark.parametrize("nodes", [
-    [node("s", "v5litepod-16", w, alive=w != 1) for w in range(4)],
-    [node("s", "v5litepod-16", w) for w in (0, 1, 3)],
-    [node("s", "v5litepod-16", w, chips=2 if w == 0 else None) for w in range(4)],
-], ids=["dead-host", "missing-host", "host-without-its-chips"])
+@pytest.mark.parametrize(
+    "nodes",
+    [
+        [node("s", "v5litepod-16", w, alive=w != 1) for w in range(4)],
+        [node("s", "v5litepod-16", w) for w in (0, 1, 3)],
+        [node("s", "v5litepod-16", w, chips=2 if w == 0 else None) for w in range(4)],
+    ],
+    ids=["dead-host", "missing-host", "host-without-its-chips"],
+)
 def test_slice_is_not_intact_unless_every_host_is_alive_with_its_chips(nodes):
     assert not slices_from_nodes(nodes)["s"].intact
 
@@ -98,8 +106,9 @@ def test_the_live_entry_wins_for_a_worker_id_reported_twice(dead_first):
 
 
 def test_check_can_ever_fit_names_the_counts_when_the_cluster_is_too_small():
-    slices = {s.name: s for s in (whole_slice("a", V8), whole_slice("b", V8),
-                                  whole_slice("c", V16))}
+    slices = {
+        s.name: s for s in (whole_slice("a", V8), whole_slice("b", V8), whole_slice("c", V16))
+    }
     check_can_ever_fit(slices, 2, V8)
     with pytest.raises(CapacityError) as info:
         check_can_ever_fit(slices, 3, V8)
@@ -202,10 +211,12 @@ def test_why_waiting_names_the_free_count_the_claims_ahead_and_the_holders():
     scheduler.submit(GangRequest("small", 1, V8))
     scheduler.schedule()
     assert scheduler.why_waiting("large") == (
-        "needs 2 free v5litepod-8 slice(s), 1 free now; held by first")
+        "needs 2 free v5litepod-8 slice(s), 1 free now; held by first"
+    )
     assert scheduler.why_waiting("small") == (
         "needs 1 free v5litepod-8 slice(s), 1 free now, "
-        "1 claimed by earlier request(s) large; held by first")
+        "1 claimed by earlier request(s) large; held by first"
+    )
     assert scheduler.why_waiting("first") == "not queued"
 
 
@@ -222,18 +233,26 @@ def test_cancel_removes_a_queued_request():
     assert scheduler.schedule() == [Admission("small", ("b",))]
 
 
-ACTIONS = st.lists(st.one_of(
-    st.tuples(st.just("submit"), st.sampled_from([V8, V16]), st.integers(1, 2)),
-    st.tuples(st.just("release"), st.integers(0, 30)),
-    st.tuples(st.just("cancel"), st.integers(0, 30)),
-), max_size=30)
+ACTIONS = st.lists(
+    st.one_of(
+        st.tuples(st.just("submit"), st.sampled_from([V8, V16]), st.integers(1, 2)),
+        st.tuples(st.just("release"), st.integers(0, 30)),
+        st.tuples(st.just("cancel"), st.integers(0, 30)),
+    ),
+    max_size=30,
+)
 
 
 @settings(max_examples=150, deadline=None)
 @given(actions=ACTIONS)
 def test_admissions_never_share_a_slice_never_use_a_broken_one_and_keep_fifo(actions):
-    slices = [whole_slice("a", V8), whole_slice("b", V8), whole_slice("c", V8, dead=(0,)),
-              whole_slice("x", V16), whole_slice("y", V16, dead=(3,))]
+    slices = [
+        whole_slice("a", V8),
+        whole_slice("b", V8),
+        whole_slice("c", V8, dead=(0,)),
+        whole_slice("x", V16),
+        whole_slice("y", V16, dead=(3,)),
+    ]
     scheduler = scheduler_with(*slices)
     order, kind, size = [], {}, {}
     for action in actions:
@@ -253,11 +272,13 @@ def test_admissions_never_share_a_slice_never_use_a_broken_one_and_keep_fifo(act
             assert len(set(admission.slices)) == size[rid]
             assert all(holders_before[n] is None and n not in taken for n in admission.slices)
             taken.update(admission.slices)
-            assert all(scheduler.inventory[n].intact and scheduler.inventory[n].type == kind[rid]
-                       for n in admission.slices)
+            assert all(
+                scheduler.inventory[n].intact and scheduler.inventory[n].type == kind[rid]
+                for n in admission.slices
+            )
             assert scheduler.held_by(rid) == tuple(sorted(admission.slices))
             still_queued = {r.request_id for r in scheduler.queued()}
-            earlier = order[:order.index(rid)]
+            earlier = order[: order.index(rid)]
             assert not [r for r in earlier if r in still_queued and kind[r] == kind[rid]]
 
 
@@ -296,11 +317,14 @@ def test_gang_request_keeps_its_old_constructor_and_puts_the_primary_type_first(
     assert GangRequest("r", 1, V16, slice_types=(V8, V16)).slice_types == (V16, V8)
 
 
-@pytest.mark.parametrize("kwargs, match", [
-    ({"num_slices": 0}, "at least 1 slice"),
-    ({"priority": 1.5}, "priority must be an integer"),
-    ({"max_wait_s": 0}, "max wait must be positive"),
-])
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"num_slices": 0}, "at least 1 slice"),
+        ({"priority": 1.5}, "priority must be an integer"),
+        ({"max_wait_s": 0}, "max wait must be positive"),
+    ],
+)
 def test_gang_request_refuses_bad_fields(kwargs, match):
     with pytest.raises(InvalidRequestError, match=match):
         GangRequest(**{"request_id": "r", "num_slices": 1, "slice_type": V8, **kwargs})
@@ -342,7 +366,8 @@ def test_backfill_takes_only_slices_the_head_cannot_use():
     assert scheduler.schedule() == [Admission("later8", ("a",))]
     assert scheduler.why_waiting("later16") == (
         "needs 1 free v5litepod-16 slice(s), 1 free now, 1 claimed by earlier request(s) head; "
-        "held by holder")
+        "held by holder"
+    )
     scheduler.release("holder")
     assert scheduler.schedule() == [Admission("head", ("x", "y"))]
 
@@ -434,8 +459,10 @@ def test_a_victim_that_does_not_release_in_time_is_forced():
     clock.now += 19.9
     assert scheduler.schedule() == []
     clock.now += 0.1
-    assert scheduler.schedule() == [ForceRelease("low", "high", ("a", "b", "c", "d")),
-                                    Admission("high", ("a",))]
+    assert scheduler.schedule() == [
+        ForceRelease("low", "high", ("a", "b", "c", "d")),
+        Admission("high", ("a",)),
+    ]
     assert scheduler.held_by("low") == ()
     assert scheduler.free_slices(V8) == ["b", "c", "d"]  # more than it needed: back to the pool
     assert scheduler.release("low") == ()  # the controller's late release changes nothing
@@ -452,7 +479,8 @@ def test_an_evicted_gang_is_requeued_in_its_place_with_doubling_backoff():
         assert scheduler.schedule() == [Admission(f"boss{round_}", ("a", "b", "c", "d"))]
         assert [r.request_id for r in scheduler.queued()] == ["victim", "later"]
         assert scheduler.why_waiting("victim") == (
-            f"preempted {round_} time(s); backs off for another {backoff} s")
+            f"preempted {round_} time(s); backs off for another {backoff} s"
+        )
         scheduler.release(f"boss{round_}")
         clock.now += backoff - 0.5
         # Backing off, it claims nothing: the later request may use the slices meanwhile.
@@ -465,8 +493,7 @@ def test_an_evicted_gang_is_requeued_in_its_place_with_doubling_backoff():
 
 def test_preemption_chooses_the_cheapest_victims():
     clock = Clock()
-    scheduler = cluster(*(whole_slice(n, V8) for n in "abcdef"), whole_slice("x", V16),
-                        clock=clock)
+    scheduler = cluster(*(whole_slice(n, V8) for n in "abcdef"), whole_slice("x", V16), clock=clock)
     admit(scheduler, GangRequest("two-old", 2, V8, priority=0))  # a, b
     admit(scheduler, GangRequest("one-p1", 1, V8, priority=1))  # c
     admit(scheduler, GangRequest("one-old", 1, V8, priority=0))  # d
@@ -483,8 +510,11 @@ def test_preemption_chooses_the_cheapest_victims():
 
 
 def test_cheapest_victims_prefers_the_set_whose_oldest_victim_is_newest():
-    old, new1, new2 = (Candidate("old", 2, 16, 0, 1), Candidate("new1", 1, 8, 0, 2),
-                       Candidate("new2", 1, 8, 0, 3))
+    old, new1, new2 = (
+        Candidate("old", 2, 16, 0, 1),
+        Candidate("new1", 1, 8, 0, 2),
+        Candidate("new2", 1, 8, 0, 3),
+    )
     assert cheapest_victims([old, new1, new2], 2) == (new1, new2)
     assert cheapest_victims([old, new1, new2], 4) == (old, new1, new2)
     assert cheapest_victims([old, new1, new2], 5) is None
@@ -527,7 +557,8 @@ def test_a_request_that_waits_past_its_max_wait_expires_with_a_reason():
     [expired] = scheduler.schedule()
     assert expired == Expire("hasty", expired.reason)
     assert expired.reason.startswith(
-        "waited 60 s in the queue, longer than its max wait of 60 s, at position 1")
+        "waited 60 s in the queue, longer than its max wait of 60 s, at position 1"
+    )
     assert [r.request_id for r in scheduler.queued()] == ["patient"]
 
 

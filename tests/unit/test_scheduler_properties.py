@@ -27,8 +27,10 @@ TYPES = [SLICE_TYPES["v5litepod-4"], SLICE_TYPES["v5litepod-8"], SLICE_TYPES["v5
 
 
 def make_slice(name, stype, broken):
-    hosts = tuple(Host(f"{name}-h{i}", "", i, stype.chips_per_host, not (broken and i == 0))
-                  for i in range(stype.hosts))
+    hosts = tuple(
+        Host(f"{name}-h{i}", "", i, stype.chips_per_host, not (broken and i == 0))
+        for i in range(stype.hosts)
+    )
     return Slice(name, stype, hosts, simulated=True)
 
 
@@ -52,8 +54,11 @@ class Harness:
         self.set_inventory()
 
     def inventory(self):
-        return {n: make_slice(n, t, n in self.broken) for n, t in self.types.items()
-                if n not in self.gone}
+        return {
+            n: make_slice(n, t, n in self.broken)
+            for n, t in self.types.items()
+            if n not in self.gone
+        }
 
     def set_inventory(self):
         self.fast.set_inventory(self.inventory())
@@ -61,10 +66,15 @@ class Harness:
 
     def submit(self, size, types, same_type, priority, max_wait):
         rid = f"r{len(self.ids)}"
-        types = list(dict.fromkeys(self.present[t % len(self.present)] if t < 3 else t - 3
-                                   for t in types))
-        kwargs = dict(slice_types=tuple(TYPES[t] for t in types[1:]), same_type=same_type,
-                      priority=priority, max_wait_s=max_wait)
+        types = list(
+            dict.fromkeys(self.present[t % len(self.present)] if t < 3 else t - 3 for t in types)
+        )
+        kwargs = dict(
+            slice_types=tuple(TYPES[t] for t in types[1:]),
+            same_type=same_type,
+            priority=priority,
+            max_wait_s=max_wait,
+        )
         try:
             self.fast.submit(GangRequest(rid, size, TYPES[types[0]], **kwargs))
         except CapacityError:
@@ -101,8 +111,12 @@ class Harness:
             self.cancel(self.ids[args[0] % len(self.ids)])
         elif kind in ("fail", "heal", "vanish", "return"):
             name = f"s{args[0] % len(self.types)}"
-            {"fail": self.broken.add, "heal": self.broken.discard,
-             "vanish": self.gone.add, "return": self.gone.discard}[kind](name)
+            {
+                "fail": self.broken.add,
+                "heal": self.broken.discard,
+                "vanish": self.gone.add,
+                "return": self.gone.discard,
+            }[kind](name)
             self.set_inventory()
         elif kind == "tick":
             self.now += args[0]
@@ -153,20 +167,31 @@ class Harness:
                 seen[name] = rid
         for name in self.types:
             assert self.fast.holder(name) == seen.get(name)
-        assert ([r.request_id for r in self.fast.queued()]
-                == [r.request_id for r in self.naive.queued()])
+        assert [r.request_id for r in self.fast.queued()] == [
+            r.request_id for r in self.naive.queued()
+        ]
 
 
-CLUSTERS = st.tuples(st.lists(st.integers(0, 2), min_size=2, max_size=8),
-                     st.lists(st.booleans(), min_size=8, max_size=8))
+CLUSTERS = st.tuples(
+    st.lists(st.integers(0, 2), min_size=2, max_size=8),
+    st.lists(st.booleans(), min_size=8, max_size=8),
+)
 # Type numbers 0-2 pick among the cluster's own types, 3-5 name any type.
-SUBMIT = st.tuples(st.just("submit"), st.integers(1, 3),
-                   st.lists(st.integers(0, 5), min_size=1, max_size=2, unique=True),
-                   st.booleans(), st.integers(0, 2), st.sampled_from([None, None, 30.0]))
+SUBMIT = st.tuples(
+    st.just("submit"),
+    st.integers(1, 3),
+    st.lists(st.integers(0, 5), min_size=1, max_size=2, unique=True),
+    st.booleans(),
+    st.integers(0, 2),
+    st.sampled_from([None, None, 30.0]),
+)
 ACTION = st.one_of(
-    SUBMIT, SUBMIT,
-    st.tuples(st.sampled_from(["release", "victim", "cancel", "fail", "heal", "vanish",
-                               "return"]), st.integers(0, 50)),
+    SUBMIT,
+    SUBMIT,
+    st.tuples(
+        st.sampled_from(["release", "victim", "cancel", "fail", "heal", "vanish", "return"]),
+        st.integers(0, 50),
+    ),
     st.tuples(st.just("tick"), st.sampled_from([1.0, 5.0, 20.0, 40.0])),
 )
 
@@ -181,17 +206,28 @@ def test_random_streams_keep_every_invariant_and_match_the_naive_scheduler(clust
         assert q.reason and q.position == harness.fast.position(q.request.request_id)
 
 
-EQUAL = st.tuples(st.just("submit"), st.integers(1, 3),
-                  st.lists(st.integers(0, 2), min_size=1, max_size=2, unique=True),
-                  st.booleans(), st.just(0), st.just(None))
+EQUAL = st.tuples(
+    st.just("submit"),
+    st.integers(1, 3),
+    st.lists(st.integers(0, 2), min_size=1, max_size=2, unique=True),
+    st.booleans(),
+    st.just(0),
+    st.just(None),
+)
 
 
 @settings(max_examples=100, deadline=None)
-@given(types=st.lists(st.integers(0, 2), min_size=1, max_size=6),
-       actions=st.lists(st.one_of(EQUAL, st.tuples(st.just("release"), st.integers(0, 50))),
-                        min_size=10, max_size=40))
+@given(
+    types=st.lists(st.integers(0, 2), min_size=1, max_size=6),
+    actions=st.lists(
+        st.one_of(EQUAL, st.tuples(st.just("release"), st.integers(0, 50))),
+        min_size=10,
+        max_size=40,
+    ),
+)
 def test_under_equal_priority_backfill_never_takes_what_an_earlier_request_could_use(
-        types, actions):
+    types, actions
+):
     harness = Harness(types, [False] * 8)
     for action in actions:
         for d in harness.apply(action):
@@ -213,16 +249,24 @@ def test_under_equal_priority_backfill_never_takes_what_an_earlier_request_could
 
 
 @settings(max_examples=200, deadline=None)
-@given(candidates=st.lists(st.tuples(st.integers(1, 3), st.integers(1, 4), st.integers(0, 2)),
-                           max_size=7),
-       need=st.integers(1, 6))
+@given(
+    candidates=st.lists(
+        st.tuples(st.integers(1, 3), st.integers(1, 4), st.integers(0, 2)), max_size=7
+    ),
+    need=st.integers(1, 6),
+)
 def test_cheapest_victims_matches_brute_force(candidates, need):
-    pool = [Candidate(f"g{i}", cover, chips * 8, prio, i)
-            for i, (cover, chips, prio) in enumerate(candidates)]
+    pool = [
+        Candidate(f"g{i}", cover, chips * 8, prio, i)
+        for i, (cover, chips, prio) in enumerate(candidates)
+    ]
     chosen = cheapest_victims(pool, need)
-    covering = [subset for k in range(len(pool) + 1)
-                for subset in itertools.combinations(pool, k)
-                if sum(c.cover for c in subset) >= need]
+    covering = [
+        subset
+        for k in range(len(pool) + 1)
+        for subset in itertools.combinations(pool, k)
+        if sum(c.cover for c in subset) >= need
+    ]
     if not covering:
         assert chosen is None
     else:

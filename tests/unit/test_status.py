@@ -16,28 +16,88 @@ def render(*args):
 
 
 def test_status_shows_slices_gangs_shares_queue_and_jobs():
-    info = pb.ClusterInfo(simulated=True, slices=[
-        pb.SliceInfo(name="sim-0-v5litepod-4", slice_type="v5litepod-4", topology="2x2", chips=4,
-                     state=pb.SLICE_STATE_HELD, holder_gang="g3",
-                     hosts=[pb.HostInfo(alive=True, chips=4)]),
-        pb.SliceInfo(name="sim-1-v5litepod-4", slice_type="v5litepod-4", topology="2x2", chips=4,
-                     state=pb.SLICE_STATE_BROKEN, hosts=[pb.HostInfo(alive=False)]),
-    ], gangs=[pb.GangSummary(
-        gang_id="g3", client="alice", state="ready", priority=2, slice_type="v5litepod-4",
-        slices=["sim-0-v5litepod-4"], shared_name="team", dispatched=10, completed=9,
-        shares=[pb.ClientShare(attachment="a1", client="alice", weight=1, programs_run=5),
-                pb.ClientShare(attachment="a2", client="bob", weight=2, programs_run=10)])],
-        queue=[pb.QueuedRequest(request_id="g4", client="carol", num_slices=2,
-                                slice_types=["v5litepod-4"], position=0, waited_s=12,
-                                reason="needs 2 free v5litepod-4 slice(s), 0 free now")])
-    jobs = [pb.JobInfo(job_id="j1", program="lm", state=pb.JOB_STATE_RUNNING, step=5, steps=10,
-                       num_slices=1, slice_type="v5litepod-4",
-                       last=pb.StepMetrics(loss=3.25, step_time_s=0.1, tokens_per_s=1000))]
+    info = pb.ClusterInfo(
+        simulated=True,
+        slices=[
+            pb.SliceInfo(
+                name="sim-0-v5litepod-4",
+                slice_type="v5litepod-4",
+                topology="2x2",
+                chips=4,
+                state=pb.SLICE_STATE_HELD,
+                holder_gang="g3",
+                hosts=[pb.HostInfo(alive=True, chips=4)],
+            ),
+            pb.SliceInfo(
+                name="sim-1-v5litepod-4",
+                slice_type="v5litepod-4",
+                topology="2x2",
+                chips=4,
+                state=pb.SLICE_STATE_BROKEN,
+                hosts=[pb.HostInfo(alive=False)],
+            ),
+        ],
+        gangs=[
+            pb.GangSummary(
+                gang_id="g3",
+                client="alice",
+                state="ready",
+                priority=2,
+                slice_type="v5litepod-4",
+                slices=["sim-0-v5litepod-4"],
+                shared_name="team",
+                dispatched=10,
+                completed=9,
+                shares=[
+                    pb.ClientShare(attachment="a1", client="alice", weight=1, programs_run=5),
+                    pb.ClientShare(attachment="a2", client="bob", weight=2, programs_run=10),
+                ],
+            )
+        ],
+        queue=[
+            pb.QueuedRequest(
+                request_id="g4",
+                client="carol",
+                num_slices=2,
+                slice_types=["v5litepod-4"],
+                position=0,
+                waited_s=12,
+                reason="needs 2 free v5litepod-4 slice(s), 0 free now",
+            )
+        ],
+    )
+    jobs = [
+        pb.JobInfo(
+            job_id="j1",
+            program="lm",
+            state=pb.JOB_STATE_RUNNING,
+            step=5,
+            steps=10,
+            num_slices=1,
+            slice_type="v5litepod-4",
+            last=pb.StepMetrics(loss=3.25, step_time_s=0.1, tokens_per_s=1000),
+        )
+    ]
     text = render(pb.HealthResponse(version="0.1.0", uptime_s=5), info, jobs)
-    for expected in ("sim-0-v5litepod-4", "held", "broken", "0/1", "g3 (team)",
-                     "alice w=1 ran 5", "bob w=2 ran 10", "Admission queue", "carol",
-                     "2 x v5litepod-4", "0 free now", "12 s", "j1", "running", "5/10",
-                     "3.2500", "100 ms"):
+    for expected in (
+        "sim-0-v5litepod-4",
+        "held",
+        "broken",
+        "0/1",
+        "g3 (team)",
+        "alice w=1 ran 5",
+        "bob w=2 ran 10",
+        "Admission queue",
+        "carol",
+        "2 x v5litepod-4",
+        "0 free now",
+        "12 s",
+        "j1",
+        "running",
+        "5/10",
+        "3.2500",
+        "100 ms",
+    ):
         assert expected in text, expected
 
 
@@ -46,17 +106,20 @@ def test_plain_follow_prints_each_step_and_state_change():
     done = pb.JobInfo(job_id="j2", steps=3, step=3, state=pb.JOB_STATE_SUCCEEDED)
     events = [
         pb.JobEvent(job=job, message="attached"),
-        pb.JobEvent(job=job, steps=[pb.StepMetrics(step=0, loss=5.0, tokens_per_s=10,
-                                                   step_time_s=0.5)]),
+        pb.JobEvent(
+            job=job, steps=[pb.StepMetrics(step=0, loss=5.0, tokens_per_s=10, step_time_s=0.5)]
+        ),
         pb.JobEvent(job=done, message="succeeded"),
     ]
     out = io.StringIO()
     final = follow(events, plain=True, out=out)
     lines = out.getvalue().splitlines()
     assert final.state == pb.JOB_STATE_SUCCEEDED
-    assert lines == ["j2 running: attached", "j2 step 1/3 loss 5.0000 10 tok/s 500 ms/step",
-                     "j2 succeeded: succeeded"]
+    assert lines == [
+        "j2 running: attached",
+        "j2 step 1/3 loss 5.0000 10 tok/s 500 ms/step",
+        "j2 succeeded: succeeded",
+    ]
     assert step_line("j2", 3, pb.StepMetrics(step=2, loss=1.5)).startswith("j2 step 3/3")
-    steps = [pb.StepMetrics(loss=5.0, tokens_per_s=10), pb.StepMetrics(loss=2.0,
-                                                                      tokens_per_s=30)]
+    steps = [pb.StepMetrics(loss=5.0, tokens_per_s=10), pb.StepMetrics(loss=2.0, tokens_per_s=30)]
     assert "loss 5.0000 -> 2.0000" in summary(done, steps)

@@ -27,18 +27,22 @@ from slicewise.common.topology import SLICE_TYPES, parse_sim_spec, slice_type
 # -- topology --------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize(("name", "chips", "hosts", "per_host", "topology"), [
-    ("v5litepod-1", 1, 1, 1, "1x1"),
-    ("v5litepod-4", 4, 1, 4, "2x2"),
-    ("v5litepod-8", 8, 1, 8, "2x4"),
-    ("v5litepod-16", 16, 4, 4, "4x4"),
-    ("v5litepod-32", 32, 8, 4, "4x8"),
-    ("v5litepod-64", 64, 16, 4, "8x8"),
-    ("v5litepod-128", 128, 32, 4, "8x16"),
-    ("v5litepod-256", 256, 64, 4, "16x16"),
-])
+@pytest.mark.parametrize(
+    ("name", "chips", "hosts", "per_host", "topology"),
+    [
+        ("v5litepod-1", 1, 1, 1, "1x1"),
+        ("v5litepod-4", 4, 1, 4, "2x2"),
+        ("v5litepod-8", 8, 1, 8, "2x4"),
+        ("v5litepod-16", 16, 4, 4, "4x4"),
+        ("v5litepod-32", 32, 8, 4, "4x8"),
+        ("v5litepod-64", 64, 16, 4, "8x8"),
+        ("v5litepod-128", 128, 32, 4, "8x16"),
+        ("v5litepod-256", 256, 64, 4, "16x16"),
+    ],
+)
 def test_slice_type_by_name_and_by_topology_follows_the_v5e_table(
-        name, chips, hosts, per_host, topology):
+    name, chips, hosts, per_host, topology
+):
     by_name = slice_type(name)
     assert (by_name.chips, by_name.hosts, by_name.chips_per_host) == (chips, hosts, per_host)
     assert by_name.topology == topology
@@ -56,24 +60,30 @@ def test_an_unknown_slice_type_is_refused_with_the_known_ones_listed():
     assert all(name in str(info.value) for name in SLICE_TYPES)
 
 
-@pytest.mark.parametrize(("spec", "names"), [
-    ("2xv5litepod-8", ["v5litepod-8", "v5litepod-8"]),
-    ("v5litepod-16,v5litepod-4", ["v5litepod-16", "v5litepod-4"]),
-    (" 3xv5litepod-1 , v5litepod-8", ["v5litepod-1"] * 3 + ["v5litepod-8"]),
-    ("V5LITEPOD-4", ["v5litepod-4"]),
-])
+@pytest.mark.parametrize(
+    ("spec", "names"),
+    [
+        ("2xv5litepod-8", ["v5litepod-8", "v5litepod-8"]),
+        ("v5litepod-16,v5litepod-4", ["v5litepod-16", "v5litepod-4"]),
+        (" 3xv5litepod-1 , v5litepod-8", ["v5litepod-1"] * 3 + ["v5litepod-8"]),
+        ("V5LITEPOD-4", ["v5litepod-4"]),
+    ],
+)
 def test_parse_sim_spec_returns_one_entry_per_slice_in_order(spec, names):
     assert [t.name for t in parse_sim_spec(spec)] == names
 
 
-@pytest.mark.parametrize(("spec", "message"), [
-    ("", "bad simulation spec part ''"),
-    ("2*v5litepod-8", "bad simulation spec part '2\\*v5litepod-8'"),
-    ("v4-8", "bad simulation spec part 'v4-8'"),
-    ("2xv5litepod-8,", "bad simulation spec part ''"),
-    ("0xv5litepod-8", "slice count must be at least 1"),
-    ("v5litepod-3", "unknown slice type 'v5litepod-3'"),
-])
+@pytest.mark.parametrize(
+    ("spec", "message"),
+    [
+        ("", "bad simulation spec part ''"),
+        ("2*v5litepod-8", "bad simulation spec part '2\\*v5litepod-8'"),
+        ("v4-8", "bad simulation spec part 'v4-8'"),
+        ("2xv5litepod-8,", "bad simulation spec part ''"),
+        ("0xv5litepod-8", "slice count must be at least 1"),
+        ("v5litepod-3", "unknown slice type 'v5litepod-3'"),
+    ],
+)
 def test_bad_sim_specs_are_refused_with_a_message(spec, message):
     with pytest.raises(InvalidRequestError, match=message):
         parse_sim_spec(spec)
@@ -124,9 +134,15 @@ def test_mesh_round_trips_through_protobuf():
     assert wire.mesh_from_pb(through_the_wire(wire.mesh_to_pb(HYBRID))) == HYBRID
 
 
-@pytest.mark.parametrize("pspec", [
-    (("slice", "data"), None, "model"), (), (None,), ("model", ("data", "slice")),
-])
+@pytest.mark.parametrize(
+    "pspec",
+    [
+        (("slice", "data"), None, "model"),
+        (),
+        (None,),
+        ("model", ("data", "slice")),
+    ],
+)
 def test_sharding_round_trips_through_protobuf(pspec):
     sharding = ShardingSpec.from_partition_spec(HYBRID, pspec)
     back = wire.sharding_from_pb(through_the_wire(wire.sharding_to_pb(sharding)))
@@ -134,9 +150,14 @@ def test_sharding_round_trips_through_protobuf(pspec):
     assert back.partition_spec() == pspec
 
 
-@pytest.mark.parametrize("spec", [
-    ArraySpec((2, 3), "float32"), ArraySpec((), "int8"), ArraySpec((0, 5), "bfloat16"),
-])
+@pytest.mark.parametrize(
+    "spec",
+    [
+        ArraySpec((2, 3), "float32"),
+        ArraySpec((), "int8"),
+        ArraySpec((0, 5), "bfloat16"),
+    ],
+)
 def test_array_spec_round_trips_through_protobuf(spec):
     assert wire.spec_from_pb(through_the_wire(wire.spec_to_pb(spec))) == spec
 
@@ -151,8 +172,11 @@ def test_array_info_carries_state_and_error():
     assert messages.array_to_pb(record).state == pb.ARRAY_STATE_PENDING
     record.settle("worker 0 died")
     info = through_the_wire(messages.array_to_pb(record))
-    assert (info.handle, info.state, info.error) == ("g1/a1", pb.ARRAY_STATE_FAILED,
-                                                      "worker 0 died")
+    assert (info.handle, info.state, info.error) == (
+        "g1/a1",
+        pb.ARRAY_STATE_FAILED,
+        "worker 0 died",
+    )
     assert wire.spec_from_pb(info.spec) == record.spec
 
 
@@ -188,21 +212,30 @@ def test_chunks_of_a_wide_memoryview_are_still_at_most_size_bytes():
 # -- gRPC status codes -----------------------------------------------------------------
 
 
-@pytest.mark.parametrize(("error", "code"), [
-    (InvalidRequestError("bad"), grpc.StatusCode.INVALID_ARGUMENT),
-    (ProgramMismatchError("wrong mesh"), grpc.StatusCode.INVALID_ARGUMENT),
-    (NotFoundError("no such handle"), grpc.StatusCode.NOT_FOUND),
-    (FailedPreconditionError("released"), grpc.StatusCode.FAILED_PRECONDITION),
-    (CapacityError("too big"), grpc.StatusCode.RESOURCE_EXHAUSTED),
-    (DeadlineError("too slow"), grpc.StatusCode.DEADLINE_EXCEEDED),
-    (WorkerError("host died"), grpc.StatusCode.UNAVAILABLE),
-])
+@pytest.mark.parametrize(
+    ("error", "code"),
+    [
+        (InvalidRequestError("bad"), grpc.StatusCode.INVALID_ARGUMENT),
+        (ProgramMismatchError("wrong mesh"), grpc.StatusCode.INVALID_ARGUMENT),
+        (NotFoundError("no such handle"), grpc.StatusCode.NOT_FOUND),
+        (FailedPreconditionError("released"), grpc.StatusCode.FAILED_PRECONDITION),
+        (CapacityError("too big"), grpc.StatusCode.RESOURCE_EXHAUSTED),
+        (DeadlineError("too slow"), grpc.StatusCode.DEADLINE_EXCEEDED),
+        (WorkerError("host died"), grpc.StatusCode.UNAVAILABLE),
+    ],
+)
 def test_each_error_class_maps_to_its_grpc_code(error, code):
     assert status_code_for(error) == code
 
 
-@pytest.mark.parametrize("error", [
-    RuntimeError("oops"), KeyError("k"), ValueError("v"), TimeoutError(),
-])
+@pytest.mark.parametrize(
+    "error",
+    [
+        RuntimeError("oops"),
+        KeyError("k"),
+        ValueError("v"),
+        TimeoutError(),
+    ],
+)
 def test_an_unexpected_error_maps_to_internal(error):
     assert status_code_for(error) == grpc.StatusCode.INTERNAL
