@@ -22,8 +22,12 @@ demo: install
 test: install
 	$(PY) -m pytest
 
+# ruff on everything; mypy on the controller, the workers, the client and the shared layer.
+LINTED := controller worker programs benchmarks tests slicewise
 lint: install
-	$(VENV)/bin/ruff check controller worker programs benchmarks tests slicewise
+	$(VENV)/bin/ruff check $(LINTED)
+	$(VENV)/bin/ruff format --check $(LINTED)
+	$(VENV)/bin/mypy controller worker slicewise
 
 
 clean:

@@ -36,7 +36,7 @@ def main(argv: list[str] | None = None) -> int:
     failed = []
     for name in args.names or list(BENCHMARKS):
         module = importlib.import_module(BENCHMARKS[name])
-        print(f"== {name}: {module.__doc__.strip().splitlines()[0]}", flush=True)
+        print(f"== {name}: {(module.__doc__ or name).strip().splitlines()[0]}", flush=True)
         started = time.monotonic()
         try:
             result = module.run(args.quick)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import platform
 import socket
@@ -112,7 +113,9 @@ def attached_to_ray(client: Any) -> Iterator[None]:
     prepare_environment(address)
     import ray
 
-    ray.init(address=address, namespace="slicewise", log_to_driver=False, logging_level="WARNING")
+    ray.init(
+        address=address, namespace="slicewise", log_to_driver=False, logging_level=logging.WARNING
+    )
     try:
         yield
     finally:
@@ -150,6 +153,7 @@ class RawSocketSink:
         self._proc = subprocess.Popen(
             [sys.executable, "-c", _SOCKET_SERVER], stdout=subprocess.PIPE, text=True
         )
+        assert self._proc.stdout is not None
         self.port = int(self._proc.stdout.readline())
 
     def send(self, payload: memoryview) -> float:

@@ -70,11 +70,11 @@ def cheapest_victims(candidates: Iterable[Candidate], need: int) -> tuple[Candid
     top = 0  # the most slices the gangs so far cover: nothing above is reachable yet
     for item in pool:
         cover, chips = item.cover, item.chips
-        for c in range(min(top, need - 1), -1, -1):
-            v = best[c] + chips
-            t = c + cover if c + cover < need else need
+        for n in range(min(top, need - 1), -1, -1):
+            v = best[n] + chips
+            t = n + cover if n + cover < need else need
             if v < best[t]:
-                best[t], links[t] = v, (item, links[c])
+                best[t], links[t] = v, (item, links[n])
         top += cover
         if best[need] == fewest:
             break

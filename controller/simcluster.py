@@ -247,6 +247,8 @@ class SimulationProcess:
             text=True,
             env=os.environ | {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"},
         )
+        assert self._proc.stdin is not None and self._proc.stdout is not None
+        self._stdin, self._stdout = self._proc.stdin, self._proc.stdout
         line = self._readline(start_timeout_s)
         if not line:
             code = self._proc.wait(timeout=30)
@@ -261,7 +263,7 @@ class SimulationProcess:
     def _readline(self, timeout_s: float) -> str:
         result: list[str] = []
         reader = threading.Thread(
-            target=lambda: result.append(self._proc.stdout.readline()), daemon=True
+            target=lambda: result.append(self._stdout.readline()), daemon=True
         )
         reader.start()
         reader.join(timeout_s)
@@ -272,8 +274,8 @@ class SimulationProcess:
 
     def remove_host(self, slice_name: str, worker_id: int, timeout_s: float = 60.0) -> None:
         """Kills one simulated host, as if the TPU VM went away."""
-        self._proc.stdin.write(f"remove-host {slice_name} {worker_id}\n")
-        self._proc.stdin.flush()
+        self._stdin.write(f"remove-host {slice_name} {worker_id}\n")
+        self._stdin.flush()
         reply = json.loads(self._readline(timeout_s))
         if "error" in reply:
             raise RuntimeError(reply["error"])
@@ -282,7 +284,7 @@ class SimulationProcess:
         """Stops the cluster and waits until every one of its processes is gone."""
         if self._proc.poll() is None:
             with contextlib.suppress(BrokenPipeError, OSError):
-                self._proc.stdin.close()
+                self._stdin.close()
             try:
                 self._proc.wait(timeout=timeout_s)
             except subprocess.TimeoutExpired:

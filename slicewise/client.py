@@ -443,7 +443,8 @@ class Output(NamedTuple):
     """In `Gang.execute_batch`: output `index` of call `call` of the same batch."""
 
     call: int
-    index: int = 0
+    # Shadows tuple.index on purpose: `Output(call, index)` is the public spelling.
+    index: int = 0  # type: ignore[assignment]
 
 
 class Program:

@@ -57,7 +57,7 @@ def send_header(
     sock.sendall(LENGTH.pack(len(encoded)) + encoded)
     for array in arrays:
         if array.nbytes:  # as raw bytes: bfloat16 & co. have no buffer-protocol format
-            sock.sendall(memoryview(np.ascontiguousarray(array).reshape(-1).view(np.uint8)))
+            sock.sendall(np.ascontiguousarray(array).reshape(-1).view(np.uint8).data)
 
 
 def recv_into(sock: socket.socket, view: memoryview) -> None:
@@ -88,7 +88,7 @@ def recv_pieces(sock: socket.socket, metas: list[dict[str, Any]]) -> Pieces:
     for meta in metas:
         array = np.empty(meta["shape"], dtype=dtype_of(meta["dtype"]))
         if array.nbytes:
-            recv_into(sock, memoryview(array.reshape(-1).view(np.uint8)))
+            recv_into(sock, array.reshape(-1).view(np.uint8).data)
         pieces.append((tuple(slice(a, b) for a, b in meta["index"]), array))
     return pieces
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import numpy as np
 
@@ -166,7 +166,7 @@ class ShardingSpec:
             elif isinstance(entry, str):
                 dims.append((entry,))
             else:
-                dims.append(tuple(str(x) for x in entry))  # type: ignore[union-attr]
+                dims.append(tuple(str(x) for x in cast(Iterable[object], entry)))
         return cls(mesh, tuple(dims))
 
     def partition_spec(self) -> tuple[object, ...]:
