@@ -17,6 +17,21 @@ from contextlib import contextmanager
 from typing import IO
 
 
+class ControllerStartError(RuntimeError):
+    """A controller subprocess exited, or did not listen in time, before it could serve.
+
+    `reason` says which; `exit_code` is None when it was still running; `advice` (what to
+    look at next) completes the message.
+    """
+
+    def __init__(
+        self, reason: str, exit_code: int | None = None, *, advice: str = "see its log"
+    ) -> None:
+        super().__init__(f"{reason}; {advice}")
+        self.reason = reason
+        self.exit_code = exit_code
+
+
 class ControllerProcess:
     """A `slicewise controller` subprocess; `address` is where it listens."""
 
@@ -101,11 +116,18 @@ def _wait_for_listening(proc: subprocess.Popen, timeout_s: float) -> list[str]:
         done.set()  # end of output: the controller exited
 
     threading.Thread(target=read, daemon=True).start()
-    done.wait(timeout_s)
+    ended = done.wait(timeout_s)
     if not lines or "listening on" not in lines[-1]:
-        raise RuntimeError(
-            f"the controller did not start within {timeout_s:.0f} s (exit code {proc.poll()}); "
-            "see its log"
+        if ended:  # its output ended before it listened: it is exiting
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=10)
+        code = proc.poll()
+        if code is None:
+            raise ControllerStartError(
+                f"the controller did not start listening within {timeout_s:g} s"
+            )
+        raise ControllerStartError(
+            f"the controller exited with code {code} before it started listening", code
         )
     return lines
 
