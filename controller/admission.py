@@ -1,10 +1,8 @@
 """Carrying out the scheduler's decisions: gangs are admitted, started, preempted,
 resumed, shared and released here. The decisions themselves are the pure scheduler's
-(scheduler.py); this is the I/O around them (Ray placement groups, workers, waiters).
-
-A gang may be shared (Pathways-style multi-tenancy): clients that allocate with the same
-`shared` name attach to one gang and get their own attachment id, `g3@a2`, to use as the
-gang id; their programs are interleaved in the gang's single order by weight.
+(scheduler.py); this is the I/O around them (the cluster backend, workers, waiters).
+Every change of a gang's state goes through `Gang.transition` (gangstate.py has the
+table). Shared gangs are sharing.py's.
 """
 
 from __future__ import annotations
@@ -17,9 +15,21 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from controller.gang import Gang, GangState, SliceLostError
+from controller.backend import ClusterBackend
+from controller.gang import LOST_POLL_S, Gang, SliceLostError
+from controller.gangstate import GangState, why_unusable
 from controller.inventory import Slice, slices_from_nodes
-from controller.scheduler import Admission, Expire, ForceRelease, GangRequest, Preempt, Scheduler
+from controller.options import DEFAULT_OPTIONS, ControllerOptions
+from controller.scheduler import (
+    Admission,
+    Decision,
+    Expire,
+    ForceRelease,
+    GangRequest,
+    Preempt,
+    Scheduler,
+)
+from controller.sharing import SharedGangs
 from slicewise.common.errors import (
     DeadlineError,
     FailedPreconditionError,
@@ -31,39 +41,38 @@ from slicewise.common.trace import SpanRecorder
 
 log = logging.getLogger(__name__)
 
-DEFAULT_ALLOCATE_TIMEOUT_S = 600.0
-GANG_START_TIMEOUT_S = 240.0
-# Reservations that lose a slice mid-way are retried this often on other slices.
-RESERVE_ATTEMPTS = 3
-_INVENTORY_PERIOD_S = 1.0
-
 
 class GangManager:
     """The controller's gangs: admission, start, preemption, sharing, release."""
 
     def __init__(
         self,
-        nodes: Callable[[], list[dict[str, Any]]],
+        backend: ClusterBackend,
         *,
-        worker_window: int = 3,
+        clock: Callable[[], float] = time.monotonic,
+        options: ControllerOptions = DEFAULT_OPTIONS,
         spans: SpanRecorder | None = None,
-        grace_s: float = 30.0,
         on_released: Callable[[Gang, str], None] = lambda gang, why: None,
+        lost_poll_s: float = LOST_POLL_S,
     ) -> None:
-        self.scheduler = Scheduler(grace_s=grace_s)
+        self.options = options
+        self.scheduler = Scheduler(clock, grace_s=options.preemption_grace_s)
         self.gangs: dict[str, Gang] = {}
         self.spans = spans or SpanRecorder()
-        self._nodes = nodes
-        self._worker_window = worker_window
+        self._backend = backend
+        self._clock = clock
         self._on_released = on_released
+        self._lost_poll_s = lost_poll_s
         self._ids = itertools.count(1)
-        self._attach_ids = itertools.count(1)
         self._released: OrderedDict[str, str] = OrderedDict()
         self._waiters: dict[str, asyncio.Future[tuple[str, ...]]] = {}
-        # shared name -> the gang of that name (a future while it is being allocated)
-        self._shared: dict[str, asyncio.Future[Gang]] = {}
+        self.shared = SharedGangs(lambda gang: self.gangs.get(gang.gang_id) is gang)
+        # Decisions about gangs that were still starting, carried out once they are up.
+        self._deferred: dict[str, list[Preempt | ForceRelease]] = {}
+        self._resuming: dict[str, asyncio.Task[None]] = {}
+        self._allocating: set[str] = set()  # requests of allocations under way
         self._refresher: asyncio.Task[None] | None = None
-        self._background: set[asyncio.Task[None]] = set()
+        self._background: set[asyncio.Future[Any]] = set()
 
     # -- lifecycle ------------------------------------------------------------------
 
@@ -72,24 +81,34 @@ class GangManager:
         self._refresher = asyncio.create_task(self._refresh_forever(), name="inventory")
 
     async def shutdown(self, why: str) -> None:
+        """Releases every gang (those still being allocated are left to their allocation,
+        which rolls them back when it is cancelled)."""
         if self._refresher is not None:
             self._refresher.cancel()
+        resuming = list(self._resuming.values())
+        for task in resuming:
+            task.cancel()
+        await asyncio.gather(*resuming, return_exceptions=True)
         for gang_id in list(self.gangs):
+            if gang_id in self._allocating:
+                log.warning("gang %s is still being allocated at shutdown", gang_id)
+                continue
             await self.release(gang_id, why=why, detach_all=True)
+        await asyncio.gather(*self._background, return_exceptions=True)
 
     async def refresh_inventory(self) -> dict[str, Slice]:
-        slices = slices_from_nodes(await asyncio.to_thread(self._nodes))
+        slices = slices_from_nodes(await asyncio.to_thread(self._backend.nodes))
         self.scheduler.set_inventory(slices)
         self.decide()
         return slices
 
     async def _refresh_forever(self) -> None:
         while True:
-            await asyncio.sleep(_INVENTORY_PERIOD_S)
+            await asyncio.sleep(self.options.inventory_period_s)
             try:
                 await self.refresh_inventory()
             except Exception:  # noqa: BLE001 - keep serving; the next round may work
-                log.exception("reading the Ray node table failed")
+                log.exception("reading the cluster's node table failed")
 
     # -- lookups --------------------------------------------------------------------
 
@@ -98,7 +117,8 @@ class GangManager:
         attachment it was used through ("" for the owner of an unshared gang).
 
         Raises:
-            NotFoundError, FailedPreconditionError: unknown, released, failed, preempted.
+            NotFoundError: the id is unknown.
+            FailedPreconditionError: released; or, with `usable`, not able to run work now.
         """
         base, _, attachment = gang_id.partition("@")
         gang = self.gangs.get(base)
@@ -109,21 +129,22 @@ class GangManager:
                     f"gang {gang_id} {why}; allocate a new gang to run more work"
                 )
             raise NotFoundError(f"gang {gang_id!r} is unknown to this controller")
-        if usable and gang.state is GangState.FAILED:
-            raise FailedPreconditionError(
-                f"gang {gang_id} failed ({gang.failure}); release it and allocate a new one"
-            )
-        if usable and gang.state in (GangState.PREEMPTED, GangState.STARTING):
-            position = self._position(base)
-            where = f" (queue position {position})" if position is not None else ""
-            raise FailedPreconditionError(
-                f"gang {gang_id} was preempted by a higher-priority request and is queued to "
-                f"resume{where}; its arrays are gone: upload them again once it is back"
-            )
+        if usable:
+            self.check_usable(gang, gang_id)
         return gang, attachment
 
     def get(self, gang_id: str, *, usable: bool = True) -> Gang:
         return self.resolve(gang_id, usable=usable)[0]
+
+    def check_usable(self, gang: Gang, gang_id: str = "") -> None:
+        """Returns if work may run on the gang now; else says why, and what to do.
+
+        Raises:
+            FailedPreconditionError: the gang failed, is stopping, preempted or starting.
+        """
+        why = why_unusable(gang, gang_id or gang.gang_id, self._position(gang.gang_id))
+        if why is not None:
+            raise FailedPreconditionError(why)
 
     def _position(self, request_id: str) -> int | None:
         try:
@@ -152,13 +173,9 @@ class GangManager:
         if weight <= 0:
             raise InvalidRequestError(f"a share weight must be positive, got {weight}")
         if shared:
-            existing = self._shared.get(shared)
-            if existing is not None:  # being allocated by another client, or up already
-                gang = await asyncio.shield(existing)
-                return self._attach(gang, num_slices, slice_type_name, client, weight)
-            creating = self._shared[shared] = asyncio.get_running_loop().create_future()
-            try:
-                gang, _ = await self.allocate(
+
+            async def create() -> Gang:
+                created, _ = await self.allocate(
                     num_slices,
                     slice_type_name,
                     timeout_s=timeout_s,
@@ -168,18 +185,13 @@ class GangManager:
                     alternatives=alternatives,
                     same_type=same_type,
                 )
-            except BaseException as exc:
-                del self._shared[shared]
-                creating.set_exception(
-                    exc
-                    if isinstance(exc, Exception)
-                    else DeadlineError(f"shared gang {shared!r} was not created")
-                )
-                creating.exception()  # retrieved: waiters get it; nobody else needs to
-                raise
-            gang.share(shared)
-            creating.set_result(gang)
-            return self._attach(gang, num_slices, slice_type_name, client, weight)
+                return created
+
+            shared_gang = await self.shared.get_or_create(shared, create)
+            attachment = self.shared.attach(
+                shared_gang, num_slices, slice_type_name, client, weight
+            )
+            return shared_gang, attachment
         stype = slice_type(slice_type_name)
         alts = tuple(slice_type(n) for n in alternatives if slice_type(n) != stype)
         shapes = {(t.hosts, t.chips_per_host) for t in (stype, *alts)}
@@ -189,7 +201,7 @@ class GangManager:
                 f"{', '.join(t.name for t in (stype, *alts))} differ in shape; ask for one "
                 "type at a time (alternatives without mixed types)"
             )
-        timeout_s = timeout_s or DEFAULT_ALLOCATE_TIMEOUT_S
+        timeout_s = timeout_s or self.options.allocate_timeout_s
         gang_id = f"g{next(self._ids)}"
         request = GangRequest(
             gang_id,
@@ -210,84 +222,109 @@ class GangManager:
             "/".join(t.name for t in request.slice_types),
             priority,
         )
-        deadline = time.monotonic() + timeout_s
-        for attempt in range(RESERVE_ATTEMPTS):
-            slice_names = await self._admitted(request, deadline)
-            gang = self.gangs.get(gang_id) or Gang(
-                gang_id,
-                client,
-                stype,
-                [self.scheduler.inventory[n] for n in slice_names],
-                window=self._worker_window,
-                spans=self.spans,
-            )
-            gang.slices = [self.scheduler.inventory[n] for n in slice_names]
-            self.gangs[gang_id] = gang
-            try:
-                await gang.start(GANG_START_TIMEOUT_S, lost=self._lost_slice(gang))
-                break
-            except SliceLostError as exc:
-                # Rolled back (no placement group of it is left): try again elsewhere, in
-                # the request's old place in the queue.
-                log.warning(
-                    "gang %s: %s; retrying (%d/%d)", gang_id, exc, attempt + 1, RESERVE_ATTEMPTS
-                )
-                self.scheduler.release(gang_id)
-                self.scheduler.cancel(gang_id)
-                await self.refresh_inventory()
-                if attempt + 1 == RESERVE_ATTEMPTS:
-                    self.gangs.pop(gang_id, None)
-                    raise
-            except BaseException:
-                self.gangs.pop(gang_id, None)
-                self.scheduler.release(gang_id)
-                self.scheduler.cancel(gang_id)
-                self.decide()
-                raise
-        gang.priority = priority
+        deadline = self._clock() + timeout_s
+        gang: Gang | None = None
+        self._allocating.add(gang_id)
+        try:
+            for attempt in range(1, self.options.reserve_attempts + 1):
+                slice_names = await self._admitted(request, deadline)
+                if gang is None:
+                    gang = self.gangs[gang_id] = Gang(
+                        gang_id,
+                        client,
+                        stype,
+                        num_slices,
+                        backend=self._backend,
+                        options=self.options,
+                        spans=self.spans,
+                        lost_poll_s=self._lost_poll_s,
+                    )
+                    gang.priority = priority
+                try:
+                    await gang.start(
+                        self._slices(slice_names),
+                        self.options.gang_start_timeout_s,
+                        self._lost_slice(gang),
+                    )
+                    break
+                except SliceLostError as exc:
+                    # Rolled back (nothing of it is left): try again elsewhere, in the
+                    # request's old place in the queue (it keeps its submission time, and
+                    # nothing is admitted before it is queued again).
+                    self.scheduler.release(gang_id)
+                    self.scheduler.cancel(gang_id)
+                    if attempt == self.options.reserve_attempts:
+                        raise
+                    log.warning(
+                        "gang %s: %s; retrying (%d/%d)",
+                        gang_id,
+                        exc,
+                        attempt,
+                        self.options.reserve_attempts,
+                    )
+        except BaseException as exc:
+            self._give_up(gang_id, gang, exc)
+            raise
+        finally:
+            self._allocating.discard(gang_id)
+        assert gang is not None  # the loop breaks only once it started
+        self._carry_out_deferred(gang)
         return gang, gang_id
 
     async def _admitted(self, request: GangRequest, deadline: float) -> tuple[str, ...]:
-        """Queues the request and waits until the scheduler admits it."""
+        """Queues the request and waits until the scheduler admits it. A caller that
+        gives up (timeout, cancellation) leaves nothing behind: no queue entry, and no
+        slices if it was admitted just as it gave up."""
         rid = request.request_id
         self.scheduler.submit(request)
         waiter = self._waiters[rid] = asyncio.get_running_loop().create_future()
         self.decide()
         try:
-            return await asyncio.wait_for(asyncio.shield(waiter), deadline - time.monotonic())
-        except TimeoutError:
-            why = self.scheduler.why_waiting(rid)
-            raise DeadlineError(
-                f"no {request.num_slices} x {request.slice_type.name} could be admitted in "
-                f"time: {why}; wait longer (timeout) or release other gangs"
-            ) from None
-        finally:
-            self._waiters.pop(rid, None)
+            slices = await asyncio.wait_for(asyncio.shield(waiter), deadline - self._clock())
+            task = asyncio.current_task()
+            if task is not None and task.cancelling():
+                # Python 3.11's wait_for returns a result that raced its cancellation.
+                raise asyncio.CancelledError()
+            return slices
+        except BaseException as exc:
+            timed_out = isinstance(exc, TimeoutError) and not isinstance(exc, DeadlineError)
+            why = self.scheduler.why_waiting(rid) if timed_out else ""
             if not waiter.done():
                 self.scheduler.cancel(rid)
-            elif waiter.exception() is None and asyncio.current_task().cancelled():
-                self.scheduler.release(rid)
+            elif waiter.exception() is None:
+                self.scheduler.release(rid)  # admitted just as its caller gave up
+                self.decide()
+            if timed_out:
+                raise DeadlineError(
+                    f"no {request.num_slices} x {request.slice_type.name} could be admitted "
+                    f"in time: {why}; wait longer (timeout) or release other gangs"
+                ) from None
+            raise
+        finally:
+            self._waiters.pop(rid, None)
 
-    def _attach(
-        self, gang: Gang, num_slices: int, slice_type_name: str, client: str, weight: float
-    ) -> tuple[Gang, str]:
-        stype = slice_type(slice_type_name)
-        if (num_slices, stype) != (gang.shape.num_slices, gang.slice_type):
-            raise InvalidRequestError(
-                f"shared gang {gang.shared_name!r} is {gang.shape.num_slices} x "
-                f"{gang.slice_type.name}; ask for the same to attach, or use another name"
-            )
-        attachment = f"a{next(self._attach_ids)}"
-        gang.attachments[attachment] = (client, weight)
-        gang.dispatcher.set_weight(attachment, weight)
-        log.info(
-            "gang %s: %s attached as %s with weight %g",
-            gang.gang_id,
-            client or "a client",
-            attachment,
-            weight,
-        )
-        return gang, f"{gang.gang_id}@{attachment}"
+    def _give_up(self, gang_id: str, gang: Gang | None, exc: BaseException) -> None:
+        """Forgets an allocation that failed; its start was rolled back already."""
+        self._deferred.pop(gang_id, None)
+        if gang is not None:
+            if self.gangs.get(gang_id) is gang:
+                del self.gangs[gang_id]
+            if gang.state is GangState.QUEUED:
+                gang.transition(GangState.FAILED, why=f"could not be allocated: {exc}")
+        self.scheduler.release(gang_id)
+        self.scheduler.cancel(gang_id)
+        self.decide()
+
+    def _slices(self, names: Sequence[str]) -> list[Slice]:
+        """The admitted slices as the inventory has them now.
+
+        Raises:
+            SliceLostError: one of them vanished from the inventory since.
+        """
+        for name in names:
+            if name not in self.scheduler.inventory:
+                raise SliceLostError(f"slice {name} left the cluster as it was admitted")
+        return [self.scheduler.inventory[n] for n in names]
 
     def _lost_slice(self, gang: Gang) -> Callable[[], str | None]:
         def lost() -> str | None:
@@ -304,66 +341,111 @@ class GangManager:
     def decide(self) -> None:
         """Asks the scheduler and carries out what it decides, in order."""
         for decision in self.scheduler.schedule():
-            if isinstance(decision, Admission):
-                self._on_admission(decision)
+            self._carry_out(decision)
+
+    def _carry_out(self, decision: Decision) -> None:
+        if isinstance(decision, Admission):
+            self._on_admission(decision)
+        elif isinstance(decision, Expire):
+            waiter = self._waiters.get(decision.request_id)
+            if waiter is not None and not waiter.done():
+                waiter.set_exception(DeadlineError(decision.reason))
+        else:
+            victim = decision.victim_id
+            gang = self.gangs.get(victim)
+            starting = victim in self._allocating or victim in self._resuming
+            if starting and (gang is None or not gang.state.usable):
+                self._deferred.setdefault(victim, []).append(decision)
+            elif gang is None:
+                return
             elif isinstance(decision, Preempt):
-                gang = self.gangs.get(decision.victim_id)
-                if gang is not None:
-                    grace = max(0.0, decision.deadline - time.monotonic())
-                    gang.state = GangState.PREEMPTING
-                    gang.preempt_deadline = decision.deadline
-                    gang.publish(
-                        "preempt",
-                        f"gang {gang.gang_id} must make room for "
-                        f"{decision.for_request} within {grace:.0f} s: save what you "
-                        "need and release (or yield) it",
-                    )
-            elif isinstance(decision, ForceRelease):
-                gang = self.gangs.get(decision.victim_id)
-                if gang is not None:
-                    self._spawn(self._stop_preempted(gang, decision.for_request))
-            elif isinstance(decision, Expire):
-                waiter = self._waiters.get(decision.request_id)
-                if waiter is not None and not waiter.done():
-                    waiter.set_exception(DeadlineError(decision.reason))
+                self._on_preempt(gang, decision)
+            else:
+                self._on_force_release(gang, decision.for_request)
+
+    def _carry_out_deferred(self, gang: Gang) -> None:
+        """What was decided about the gang while it was starting, now that it is up."""
+        for decision in self._deferred.pop(gang.gang_id, []):
+            self._carry_out(decision)
 
     def _on_admission(self, admission: Admission) -> None:
-        waiter = self._waiters.get(admission.request_id)
+        rid = admission.request_id
+        waiter = self._waiters.get(rid)
         if waiter is not None and not waiter.done():
             waiter.set_result(admission.slices)
             return
-        gang = self.gangs.get(admission.request_id)
-        if gang is not None and gang.state is GangState.PREEMPTED:
-            self._spawn(self._resume(gang, admission.slices))
+        gang = self.gangs.get(rid)
+        if gang is not None and GangState.PREEMPTED in (gang.state, gang.stopping_to):
+            self._resuming[rid] = asyncio.create_task(self._resume(gang, admission.slices))
             return
-        self.scheduler.release(admission.request_id)  # its client gave up meanwhile
-        self.scheduler.cancel(admission.request_id)
+        self.scheduler.release(rid)  # its client gave up meanwhile
+        self.scheduler.cancel(rid)
 
-    async def _stop_preempted(self, gang: Gang, for_request: str) -> None:
-        await gang.stop()
-        gang.state = GangState.PREEMPTED
+    def _on_preempt(self, gang: Gang, decision: Preempt) -> None:
+        if gang.state is not GangState.READY:
+            return  # failed or stopping already: its slices come free without a notice
+        grace = max(0.0, decision.deadline - self._clock())
+        gang.preempted_by = decision.for_request
+        gang.preempt_deadline = decision.deadline
+        gang.transition(GangState.PREEMPTING, why=f"is being preempted by {decision.for_request}")
+        gang.publish(
+            "preempt",
+            f"gang {gang.gang_id} must make room for {decision.for_request} within "
+            f"{grace:.0f} s: save what you need and release (or yield) it",
+        )
+
+    def _on_force_release(self, gang: Gang, for_request: str) -> None:
+        """The grace period is over and the scheduler took the slices back: the gang
+        stops at once (and stays queued to resume), unless it is stopping already."""
+        if gang.state is GangState.FAILED:
+            self._spawn(gang.stop(GangState.FAILED, gang.why))
+        elif gang.state.usable:
+            gang.preempted_by = for_request
+            stopping = gang.stop(
+                GangState.PREEMPTED,
+                f"is being preempted by {for_request} (its grace period is over)",
+            )
+            self._spawn(self._after_preempted(gang, stopping, for_request))
+
+    async def _after_preempted(
+        self, gang: Gang, stopping: asyncio.Future[None], for_request: str
+    ) -> None:
+        await stopping
+        if gang.state is GangState.RELEASED:
+            return
         self._on_released(gang, f"was preempted by {for_request}")
         gang.publish(
             "preempted",
-            f"gang {gang.gang_id} was stopped for {for_request}; it is "
-            "queued to resume on new workers (its arrays are gone)",
+            f"gang {gang.gang_id} was stopped for {for_request}; it is queued to resume on "
+            "new workers (its arrays are gone)",
         )
 
     async def _resume(self, gang: Gang, slice_names: tuple[str, ...]) -> None:
+        rid = gang.gang_id
         try:
-            await gang.restart(
-                [self.scheduler.inventory[n] for n in slice_names],
-                GANG_START_TIMEOUT_S,
-                lost=self._lost_slice(gang),
+            await gang.wait_stopped()
+            if self.gangs.get(rid) is not gang or gang.state is not GangState.PREEMPTED:
+                self.scheduler.release(rid)  # released meanwhile
+                self.scheduler.cancel(rid)
+                return
+            await gang.start(
+                self._slices(slice_names), self.options.gang_start_timeout_s, self._lost_slice(gang)
             )
         except Exception as exc:  # noqa: BLE001 - the gang fails; its owner hears of it
-            gang.state, gang.failure = GangState.FAILED, f"could not resume: {exc}"
-            gang.publish("failed", gang.failure)
+            gang.transition(GangState.FAILED, why=f"could not resume: {exc}")
+            self._deferred.pop(rid, None)
+            self.scheduler.release(rid)  # nothing runs on its slices: free them now
+            self.scheduler.cancel(rid)
+            gang.publish("failed", gang.why)
+            self.decide()
             return
-        gang.publish("resumed", f"gang {gang.gang_id} runs again on {', '.join(slice_names)}")
+        finally:
+            self._resuming.pop(rid, None)
+        gang.publish("resumed", f"gang {rid} runs again on {', '.join(slice_names)}")
+        self._carry_out_deferred(gang)
 
-    def _spawn(self, coro: Any) -> None:
-        task = asyncio.ensure_future(coro)
+    def _spawn(self, work: Any) -> None:
+        task = asyncio.ensure_future(work)
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
@@ -378,32 +460,57 @@ class GangManager:
         detach_all: bool = False,
     ) -> None:
         """Releases a gang (or detaches one attachment of a shared gang; the gang goes when
-        its last attachment does). With `requeue` the gang yields its slices but stays
-        queued to resume, as a preempted gang does."""
+        its last attachment does). With `requeue` a gang being preempted yields its
+        slices at once but stays queued to resume, as a preempted gang does.
+
+        Raises:
+            FailedPreconditionError: requeue of a gang that is not being preempted; or the
+                gang is still being allocated.
+        """
         gang, attachment = self.resolve(gang_id, usable=False)
+        base = gang.gang_id
+        if base in self._allocating:
+            raise FailedPreconditionError(
+                f"gang {gang_id} is still being allocated; release it once its allocation returns"
+            )
+        if requeue and GangState.PREEMPTED in (gang.state, gang.stopping_to):
+            return  # preempted already, or being stopped for it: queued to resume
+        if requeue and gang.state is not GangState.PREEMPTING:
+            raise FailedPreconditionError(
+                f"gang {gang_id} is not being preempted; only a preempted gang can yield and "
+                "stay queued (release it instead)"
+            )
         if attachment and not detach_all:
             del gang.attachments[attachment]
             self._released[gang_id] = "was released (detached from the shared gang)"
             if gang.attachments:
-                log.info("gang %s: attachment %s detached", gang.gang_id, attachment)
+                log.info("gang %s: attachment %s detached", base, attachment)
                 return
-        base = gang.gang_id
         if requeue:
-            await gang.stop()
-            gang.state = GangState.PREEMPTED
+            await gang.stop(GangState.PREEMPTED, f"is yielding its slices to {gang.preempted_by}")
             self._on_released(gang, why)
+            gang.publish(
+                "preempted",
+                f"gang {base} yielded its slices to {gang.preempted_by}; it is queued to "
+                "resume on new workers (its arrays are gone)",
+            )
             self.scheduler.release(base)  # a preempted gang goes back to its queue place
             self.decide()
             return
+        resuming = self._resuming.get(base)
+        if resuming is not None:
+            resuming.cancel()
+            await asyncio.gather(resuming, return_exceptions=True)
         del self.gangs[base]
+        self._released[base] = why  # calls during the stop learn why already
+        while len(self._released) > 10_000:
+            self._released.popitem(last=False)
         if gang.shared_name:
-            self._shared.pop(gang.shared_name, None)
-        await gang.stop()
+            self.shared.forget(gang.shared_name)
+        self._deferred.pop(base, None)
+        await gang.stop(GangState.RELEASED, why)
         self._on_released(gang, why)
         self.scheduler.release(base)
         self.scheduler.cancel(base)  # released for good: not back to the queue
-        self._released[base] = why
-        while len(self._released) > 10_000:
-            self._released.popitem(last=False)
         gang.publish("released", f"gang {base} {why}")
         self.decide()

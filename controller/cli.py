@@ -11,6 +11,7 @@ DEFAULT_ADDRESS = "127.0.0.1:50051"
 
 def _controller(args: argparse.Namespace) -> int:
     from controller.logs import configure_logging
+    from controller.options import ControllerOptions
     from controller.server import ServerConfig, run
 
     configure_logging(logging.DEBUG if args.verbose else logging.INFO, args.log_format)
@@ -22,10 +23,12 @@ def _controller(args: argparse.Namespace) -> int:
             ray_address=args.ray_address,
             host_object_store_mb=args.host_object_store_mb,
             head_object_store_mb=args.head_object_store_mb,
-            worker_window=args.window,
             metrics_port=args.metrics_port,
             state_dir=args.state_dir,
-            preemption_grace_s=args.preemption_grace,
+            stop_on_stdin_eof=args.stop_on_stdin_eof,
+            options=ControllerOptions(
+                worker_window=args.window, preemption_grace_s=args.preemption_grace
+            ),
         )
     except ValueError as exc:
         print(f"slicewise controller: {exc}", file=sys.stderr)
@@ -271,6 +274,12 @@ def build_parser() -> argparse.ArgumentParser:
         choices=("text", "json"),
         default="text",
         help="log lines as text or as JSON objects (default %(default)s)",
+    )
+    p.add_argument(
+        "--stop-on-stdin-eof",
+        action="store_true",
+        help="stop when standard input closes, so that the controller never outlives the "
+        "process that started it on a pipe (slicewise.testing does)",
     )
     p.add_argument("-v", "--verbose", action="store_true")
     p.set_defaults(func=_controller)

@@ -9,6 +9,7 @@ a thread so that one client's upload never stalls another client's dispatch.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 import uuid
@@ -22,8 +23,10 @@ import numpy as np
 from controller import metrics
 from controller.admission import GangManager
 from controller.arrays import ArrayRecord, ArrayTable
+from controller.backend import ClusterBackend, RayBackend
 from controller.dispatch import Ticket
-from controller.gang import Gang, GangState
+from controller.gang import Gang
+from controller.options import DEFAULT_OPTIONS, ControllerOptions
 from controller.programs import Program, ProgramRegistry, load_program, program_id_of
 from controller.scheduler import Scheduler
 from slicewise.common.arrays import ArraySpec, dtype_of
@@ -44,7 +47,6 @@ from slicewise.common.trace import now_us as trace_now_us
 log = logging.getLogger(__name__)
 
 VERSION = "0.1.0"
-DEFAULT_FETCH_TIMEOUT_S = 600.0
 
 
 @dataclass
@@ -64,21 +66,22 @@ class Controller:
     def __init__(
         self,
         *,
-        nodes: Callable[[], list[dict[str, Any]]] | None = None,
+        backend: ClusterBackend | None = None,
+        clock: Callable[[], float] = time.monotonic,
         simulated: bool = False,
-        worker_window: int = 3,
-        grace_s: float = 30.0,
+        options: ControllerOptions = DEFAULT_OPTIONS,
     ) -> None:
         self.simulated = simulated
+        self.options = options
         self.started_at = time.time()
         self.programs = ProgramRegistry()
         self.arrays = ArrayTable()
         self.spans = SpanRecorder()
         self.manager = GangManager(
-            nodes or _ray_nodes,
-            worker_window=worker_window,
+            backend or RayBackend(),
+            clock=clock,
+            options=options,
             spans=self.spans,
-            grace_s=grace_s,
             on_released=self._gang_stopped,
         )
         # Worker timelines of released gangs, so a trace can still be taken afterwards.
@@ -136,12 +139,9 @@ class Controller:
     async def release(
         self, gang_id: str, why: str = "was released", *, requeue: bool = False
     ) -> None:
+        """Releases a gang, or detaches an attachment of a shared one (see
+        GangManager.release); keeps the workers' timelines for a later trace."""
         gang, attachment = self.manager.resolve(gang_id, usable=False)
-        if requeue and gang.state is not GangState.PREEMPTING:
-            raise FailedPreconditionError(
-                f"gang {gang_id} is not being preempted; only a preempted gang can yield and "
-                "stay queued (release it instead)"
-            )
         if not attachment or len(gang.attachments) == 1:
             self._archived_spans[gang.gang_id] = await gang.collect_spans(timeout_s=5.0)
             while len(self._archived_spans) > 32:
@@ -165,7 +165,12 @@ class Controller:
     ) -> Ticket:
         """Queues an operation for `client` of the gang, numbered only after everything in
         `needs` (the records it reads, the program load it runs) has been numbered: on a
-        shared gang another client's upload may still wait behind this client's work."""
+        shared gang another client's upload may still wait behind this client's work.
+
+        Raises:
+            FailedPreconditionError: the gang cannot run work now (and why).
+        """
+        self.manager.check_usable(gang)
         waiting = [n for n in needs if not _numbered(n)]
         ready = (lambda: all(_numbered(n) for n in waiting)) if waiting else None
         ticket = gang.dispatcher.submit(build, client=client, ready=ready)
@@ -219,7 +224,7 @@ class Controller:
         Every call is checked before any is queued, so a bad call queues nothing.
         """
         gang, client = self.manager.resolve(gang_id)
-        plan = []
+        plan: list[tuple[Program, list[str]]] = []
         for k, (program_id, inputs) in enumerate(calls):
             where = f"call {k}: " if len(calls) > 1 else ""
             try:
@@ -320,8 +325,7 @@ class Controller:
     async def finish_put(self, target: PutTarget) -> ArrayRecord:
         """Splits a received array into per-host pieces and queues it to the workers."""
         gang, spec = target.gang, target.spec
-        if gang.state is not GangState.READY:
-            self.get_gang(gang.gang_id)  # raises why it is no longer usable
+        self.manager.check_usable(gang)  # it may have stopped while the bytes came in
         array = target.buffer.view(dtype_of(spec.dtype)).reshape(spec.shape)
         started = time.perf_counter()
         indices = target.sharding.process_pieces(spec.shape, gang.shape)
@@ -388,12 +392,17 @@ class Controller:
                 records, lambda seq: BatchOp(seq, program, overrides, step, sharding, handles)
             ),
         )
-        ticket.done.add_done_callback(lambda f: [r.settle(f.result()) for r in records])
+
+        def settle(done: asyncio.Future[str | None]) -> None:
+            for r in records:
+                r.settle(done.result())
+
+        ticket.done.add_done_callback(settle)
         return list(handles)
 
     async def fetch(self, handle: str, timeout_s: float = 0) -> tuple[ArrayRecord, np.ndarray]:
         """Waits for an array and gathers its pieces from every worker."""
-        timeout_s = timeout_s or DEFAULT_FETCH_TIMEOUT_S
+        timeout_s = timeout_s or self.options.fetch_timeout_s
         record = self.arrays.get(handle)
         gang = self.get_gang(record.gang_id)
         record.require_usable()
@@ -455,9 +464,10 @@ class Controller:
             by_gang.setdefault(self.arrays.delete(h).gang_id, []).append(h)
         for gang_id, group in by_gang.items():
             gang = self.gangs.get(gang_id)
-            if gang is not None and gang.state in (GangState.READY, GangState.PREEMPTING):
+            if gang is not None and gang.state.usable:
                 needs = [n for h in group for n in (records[h], *records[h].readers)]
-                self._submit(gang, "", lambda seq, g=tuple(group): DeleteOp(seq, g), needs=needs)
+                build = functools.partial(DeleteOp, handles=tuple(group))
+                self._submit(gang, "", build, needs=needs)
         return len(handles)
 
     # -- status ---------------------------------------------------------------------
@@ -524,9 +534,3 @@ def _batch_ref(text: str) -> tuple[int, int]:
 def started_us(perf_counter_s: float) -> int:
     """Wall-clock microseconds of a past `time.perf_counter()` reading."""
     return trace_now_us() - int((time.perf_counter() - perf_counter_s) * 1e6)
-
-
-def _ray_nodes() -> list[dict[str, Any]]:
-    import ray
-
-    return ray.nodes()

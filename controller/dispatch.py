@@ -25,7 +25,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from controller.fairqueue import FairQueue
-from slicewise.common.ops import Op, OpResult
+from slicewise.common.errors import GangBrokenError
+from slicewise.common.ops import DeleteOp, Op, OpResult
 
 log = logging.getLogger(__name__)
 
@@ -53,14 +54,12 @@ class Ticket:
     waiting_for: set[int] = field(default_factory=set)  # workers yet to report
     error: str | None = None
     values: tuple[Any, ...] | None = None  # reported output values (ExecOp.report)
+    # worker -> (started_ns, finished_ns): when the op ran there, by that worker's clock
+    ran: dict[int, tuple[int, int]] = field(default_factory=dict)
 
     def op_for(self, worker: int) -> Op:
         assert self.ops is not None
         return self.ops if not isinstance(self.ops, Sequence) else self.ops[worker]
-
-
-class GangBrokenError(RuntimeError):
-    """A worker of the gang failed; nothing more can run on it."""
 
 
 class Dispatcher:
@@ -72,6 +71,7 @@ class Dispatcher:
         poll: Poll,
         num_workers: int,
         *,
+        name: str = "the gang",
         max_batch: int = 128,
         max_in_flight: int = 32,
         max_sends: int = 1,
@@ -81,6 +81,7 @@ class Dispatcher:
         self._send = send
         self._poll = poll
         self._num_workers = num_workers
+        self._name = name
         self._max_batch = max_batch
         self.max_in_flight = max_in_flight  # may change while running
         # One delivery at a time (per gang): operations that arrive while one is on its
@@ -116,10 +117,11 @@ class Dispatcher:
         has room in flight, else as earlier operations complete.
 
         Raises:
-            GangBrokenError: the gang can no longer run anything.
+            GangBrokenError: the gang can no longer run anything (a worker failed, or the
+                gang was stopped).
         """
         if self.broken is not None:
-            raise GangBrokenError(self.broken)
+            raise GangBrokenError(f"{self._name} cannot run more work: {self.broken}")
         done: asyncio.Future[str | None] = asyncio.get_running_loop().create_future()
         ticket = Ticket(build, done, client, queued_ns=time.time_ns())
         self._waiting.push(client, ticket, ready)
@@ -153,8 +155,6 @@ class Dispatcher:
             try:
                 ticket.ops = ticket.build(ticket.seq)
             except Exception as exc:  # noqa: BLE001 - the seq is taken: fill it with nothing
-                from slicewise.common.ops import DeleteOp
-
                 ticket.ops = DeleteOp(ticket.seq, ())
                 ticket.error = f"{type(exc).__name__}: {exc}"
             ticket.waiting_for = set(range(self._num_workers))
@@ -231,6 +231,8 @@ class Dispatcher:
                     item.error = result.error
                 if result.values is not None:
                     item.values = result.values
+                if result.finished_ns:
+                    item.ran[worker] = (result.started_ns, result.finished_ns)
                 if not item.waiting_for:
                     del self._in_flight[result.seq]
                     self._settle(item, item.error)
@@ -256,6 +258,6 @@ class Dispatcher:
         self._numbered.clear()
         self._wake.set()
         if failure:
-            log.error("gang dispatch stopped: %s", reason)
+            log.error("%s: dispatch stopped: %s", self._name, reason)
             if self._on_broken is not None:
                 self._on_broken(reason)

@@ -1,11 +1,13 @@
-"""A gang: whole slices reserved through Ray placement groups, one worker actor per
-host, all joined into one jax.distributed cluster, fed by one dispatch queue."""
+"""A gang: whole slices reserved all at once, one worker per host, all joined into one
+jax.distributed cluster, fed by one dispatch queue. Its life cycle is gangstate.py's
+table; `Gang.transition` is the one place its state changes.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import enum
+import functools
 import json
 import logging
 import os
@@ -18,12 +20,13 @@ from typing import Any
 import numpy as np
 
 from controller import datalink, metrics
-from controller.channel import ControllerEnd
+from controller.backend import Channel, ClusterBackend, HostBundle, Reservation, Worker, WorkerSpec
 from controller.dispatch import Dispatcher, Ticket
+from controller.gangstate import TRANSITIONS, GangState
 from controller.hostenv import HostPlacement, simulated_host_env, tpu_host_env
 from controller.inventory import Slice
-from controller.simcluster import SLICE_NAME_LABEL, WORKER_ID_LABEL
-from slicewise.common.errors import WorkerError
+from controller.options import DEFAULT_OPTIONS, ControllerOptions
+from slicewise.common.errors import InvalidTransitionError, WorkerError
 from slicewise.common.framing import ChannelError, Pieces
 from slicewise.common.mesh import GangShape, Index
 from slicewise.common.ops import Op, OpResult
@@ -31,9 +34,6 @@ from slicewise.common.topology import SliceType
 from slicewise.common.trace import Span, SpanRecorder
 
 log = logging.getLogger(__name__)
-
-# Threads per worker actor: outstanding batches plus concurrent reads.
-_WORKER_THREADS = 16
 
 
 def _failpoint(name: str) -> float:
@@ -50,26 +50,12 @@ def _failpoint(name: str) -> float:
         return 0.0
 
 
-class GangState(enum.Enum):
-    STARTING = "starting"
-    READY = "ready"
-    # Told to make room for a higher-priority request; still running until released.
-    PREEMPTING = "preempting"
-    # Workers stopped by preemption; queued to resume on new workers.
-    PREEMPTED = "preempted"
-    FAILED = "failed"
-    RELEASED = "released"
-
-
 class SliceLostError(WorkerError):
     """A slice being reserved lost a host: the reservation was rolled back."""
 
 
-# Operations numbered ahead of their completion. Many for a gang with one client, so that
-# a chain of calls goes out as one batch; fewer for a shared gang, where numbering late is
-# what lets each client's work interleave by its weight.
-EXCLUSIVE_IN_FLIGHT = 256
-SHARED_IN_FLIGHT = 32
+# How often a start checks whether one of its slices lost a host meanwhile.
+LOST_POLL_S = 0.25
 
 
 def worker_name(gang_id: str, epoch: int, process_id: int) -> str:
@@ -86,52 +72,97 @@ class Gang:
         gang_id: str,
         client: str,
         stype: SliceType,
-        slices: Sequence[Slice],
+        num_slices: int,
         *,
-        window: int = 3,
+        backend: ClusterBackend,
+        options: ControllerOptions = DEFAULT_OPTIONS,
         spans: SpanRecorder | None = None,
+        lost_poll_s: float = LOST_POLL_S,
     ) -> None:
         self.gang_id = gang_id
         self.client = client
         self.slice_type = stype
-        self.slices = list(slices)
-        self.shape = GangShape(len(slices), stype.hosts, stype.chips_per_host)
-        self.simulated = all(s.simulated for s in slices)
-        self.platform = "cpu" if self.simulated else "tpu"
-        self.state = GangState.STARTING
-        self.failure = ""
+        self.slices: list[Slice] = []
+        self.shape = GangShape(num_slices, stype.hosts, stype.chips_per_host)
+        self.platform = ""
+        self.state = GangState.QUEUED
+        # Why the gang is in its state, in words that follow "gang g3 ...": the failure
+        # of a FAILED gang, what a STOPPING gang is stopped for.
+        self.why = ""
         self.epoch = 0
-        self.created_at = time.time()
+        self.preempted_by = ""  # the request this gang was last preempted for
+        self.preempt_deadline = 0.0  # the end of its grace period (scheduler clock)
+        self.priority = 0
         self.loaded_programs: dict[str, Ticket] = {}
-        self._window = window
-        self._placement_groups: list[Any] = []
-        self._workers: list[Any] = []
-        self._channels: list[ControllerEnd] = []
         self.data_addresses: list[str] = []
         self.spans = spans or SpanRecorder()
         # Shared gangs: attachment id -> (client name, weight); programs run per attachment.
-        self.priority = 0
         self.shared_name = ""
-        self.dispatcher = self._new_dispatcher()
         self.attachments: dict[str, tuple[str, float]] = {}
         self.programs_run: Counter[str] = Counter()
-        self.preempt_deadline = 0.0
+        self._backend = backend
+        self.options = options
+        self._lost_poll_s = lost_poll_s
+        self._reservation: Reservation | None = None
+        self._workers: list[Worker] = []
+        self._channels: list[Channel] = []
+        self._stopping: asyncio.Future[None] | None = None
+        self._stopping_to: GangState | None = None
         self._watchers: set[asyncio.Queue[tuple[str, str]]] = set()
+        self.dispatcher = self._new_dispatcher()
+
+    # -- the life cycle -----------------------------------------------------------------
+
+    def transition(self, new: GangState, *, why: str = "", epoch: int | None = None) -> bool:
+        """The one place a gang's state changes; `why` says why, for messages. Entering
+        STARTING bumps the epoch. A change from an older epoch (a start that has since
+        been superseded) is ignored: returns False.
+
+        Raises:
+            InvalidTransitionError: the table does not allow it.
+        """
+        if epoch is not None and epoch != self.epoch:
+            log.info(
+                "gang %s: ignoring %s from epoch %d (now %d)",
+                self.gang_id,
+                new.value,
+                epoch,
+                self.epoch,
+            )
+            return False
+        if new not in TRANSITIONS[self.state]:
+            raise InvalidTransitionError(
+                f"gang {self.gang_id}: {self.state.value} -> {new.value} is not allowed"
+            )
+        if new is GangState.STARTING:
+            self.epoch += 1
+        log.debug("gang %s: %s -> %s %s", self.gang_id, self.state.value, new.value, why)
+        self.state = new
+        self.why = why
+        return True
 
     def _new_dispatcher(self) -> Dispatcher:
-        return Dispatcher(
+        dispatcher = Dispatcher(
             self._send,
             self._poll,
             self.shape.num_processes,
-            max_in_flight=SHARED_IN_FLIGHT if self.shared_name else EXCLUSIVE_IN_FLIGHT,
-            on_broken=self._on_broken,
+            name=f"gang {self.gang_id}",
+            max_in_flight=(
+                self.options.shared_in_flight
+                if self.shared_name
+                else self.options.exclusive_in_flight
+            ),
+            on_broken=functools.partial(self._on_broken, epoch=self.epoch),
             observer=self._observe,
         )
+        for attachment, (_, weight) in self.attachments.items():
+            dispatcher.set_weight(attachment, weight)
+        return dispatcher
 
     def share(self, name: str) -> None:
         """Makes this the shared gang `name` that several clients attach to."""
         self.shared_name = name
-        self.dispatcher.max_in_flight = SHARED_IN_FLIGHT
+        self.dispatcher.max_in_flight = self.options.shared_in_flight
 
     # -- events ---------------------------------------------------------------------
 
@@ -153,20 +184,29 @@ class Gang:
 
     # -- start ----------------------------------------------------------------------
 
-    async def start(self, timeout_s: float, lost: Callable[[], str | None] = lambda: None) -> None:
-        """Reserves the slices, starts the workers and forms the jax.distributed cluster.
+    async def start(
+        self,
+        slices: Sequence[Slice],
+        timeout_s: float,
+        lost: Callable[[], str | None] = lambda: None,
+    ) -> None:
+        """Reserves `slices`, starts the workers and forms the jax.distributed cluster
+        (from QUEUED, or from PREEMPTED to resume on new workers: arrays are gone, and
+        programs load again on first use).
 
-        All or nothing: on any failure every placement group and worker created so far
-        is removed before the error propagates. `lost()` names a reserved slice that lost
-        a host meanwhile (from the inventory); the reservation is then rolled back at once.
+        All or nothing: on any failure every reservation and worker created so far is
+        removed (STOPPING, then QUEUED) before the error propagates. `lost()` names a
+        slice of the gang that lost a host meanwhile; the start is then rolled back at once.
 
         Raises:
             SliceLostError: a slice lost a host while it was being reserved.
             WorkerError: reservation, worker start or formation failed or timed out.
         """
         started = time.monotonic()
-        self.epoch += 1
-        self.state = GangState.STARTING
+        self.transition(GangState.STARTING)
+        epoch = self.epoch
+        self.slices = list(slices)
+        self.platform = "cpu" if self.simulated else "tpu"
         self.dispatcher = self._new_dispatcher()
         self.loaded_programs.clear()
         try:
@@ -176,22 +216,19 @@ class Gang:
                 max(30.0, timeout_s - (time.monotonic() - started)),
             )
         except BaseException as exc:
-            await self.stop()
-            self.state = GangState.FAILED
-            if isinstance(exc, SliceLostError):
-                raise
+            await self.stop(GangState.QUEUED, f"could not start: {exc}")
             if isinstance(exc, TimeoutError):
                 raise WorkerError(
                     f"gang {self.gang_id} did not start within {timeout_s:.0f} s "
                     f"(slices {[s.name for s in self.slices]}); the hosts may be overloaded "
                     "or gone"
                 ) from None
-            if isinstance(exc, Exception):
+            if isinstance(exc, Exception) and not isinstance(exc, SliceLostError):
                 raise WorkerError(
                     f"gang {self.gang_id} failed to start: {type(exc).__name__}: {exc}"
                 ) from exc
             raise
-        self.state = GangState.READY
+        self.transition(GangState.READY, epoch=epoch)
         log.info(
             "gang %s ready: %d slice(s) %s, %d workers, in %.1f s",
             self.gang_id,
@@ -201,12 +238,17 @@ class Gang:
             time.monotonic() - started,
         )
 
+    @property
+    def simulated(self) -> bool:
+        """Whether the gang's slices are simulated hosts (CPU devices)."""
+        return bool(self.slices) and all(s.simulated for s in self.slices)
+
     async def _watched(self, work: Any, lost: Callable[[], str | None]) -> None:
         """Runs `work`, giving up as soon as a slice of the gang is lost."""
         task = asyncio.ensure_future(work)
         try:
             while not task.done():
-                await asyncio.wait({task}, timeout=0.25)
+                await asyncio.wait({task}, timeout=self._lost_poll_s)
                 name = None if task.done() else lost()
                 if name is not None:
                     task.cancel()
@@ -218,56 +260,26 @@ class Gang:
             if not task.done():
                 task.cancel()
 
-    async def restart(
-        self,
-        slices: Sequence[Slice],
-        timeout_s: float,
-        lost: Callable[[], str | None] = lambda: None,
-    ) -> None:
-        """Starts the gang again (after preemption) on `slices`, with new workers: its
-        arrays are gone; programs are loaded again on first use."""
-        await self.stop()
-        self.slices = list(slices)
-        self.preempt_deadline = 0.0
-        await self.start(timeout_s, lost)
-
     async def _reserve(self) -> None:
-        """One placement group for the whole gang, one bundle per host, each pinned to its
-        slice and host by label: Ray reserves all bundles of a group atomically, so the
-        gang is held whole or not at all, never in part."""
-        from ray.util.placement_group import placement_group
-
-        bundles: list[dict[str, float]] = []
-        selectors: list[dict[str, str]] = []
-        for s in self.slices:
-            for h in range(s.type.hosts):
-                bundle = {"TPU": float(self.shape.chips_per_host)}
-                if h == 0:
-                    bundle[s.type.head_resource] = 1.0
-                bundles.append(bundle)
-                selectors.append({SLICE_NAME_LABEL: s.name, WORKER_ID_LABEL: str(h)})
-        if _failpoint("reserve_delay_s"):
-            await asyncio.sleep(_failpoint("reserve_delay_s"))  # see _failpoint
-        self._placement_groups.append(
-            placement_group(
-                bundles,
-                strategy="STRICT_SPREAD",
-                name=f"slicewise-{self.gang_id}-e{self.epoch}",
-                bundle_label_selector=selectors,
-            )
-        )
-        await self._placement_groups[0].ready()
+        """One reservation for the whole gang, one bundle per host (all or nothing)."""
+        hosts = [
+            HostBundle(s.name, h, s.type.chips_per_host, s.type.head_resource if h == 0 else "")
+            for s in self.slices
+            for h in range(s.type.hosts)
+        ]
+        delay = _failpoint("reserve_delay_s")
+        if delay:
+            # Tests wait for this line to know the reservation is paused here.
+            log.info("gang %s: failpoint: pausing %g s before reserving", self.gang_id, delay)
+            await asyncio.sleep(delay)
+        self._reservation = self._backend.reserve(f"slicewise-{self.gang_id}-e{self.epoch}", hosts)
+        await self._reservation.ready()
 
     async def _form(self) -> None:
-        import ray
-        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
-        from worker.actor import HostWorker
-
-        remote_cls = ray.remote(HostWorker)
+        """Starts a worker per host and joins them into one jax.distributed cluster."""
+        assert self._reservation is not None
         token = secrets.token_hex(16)
         head = self.slices[0].host(0)
-        (pg,) = self._placement_groups
         for s_index, s in enumerate(self.slices):
             for h in range(s.type.hosts):
                 placement = HostPlacement(
@@ -278,29 +290,21 @@ class Gang:
                     if self.simulated
                     else tpu_host_env(placement, head.address)
                 )
-                self._workers.append(
-                    remote_cls.options(
-                        num_cpus=0,
-                        resources={"TPU": float(s.type.chips_per_host)},
-                        scheduling_strategy=PlacementGroupSchedulingStrategy(
-                            pg, placement_group_bundle_index=placement.process_id
-                        ),
-                        runtime_env={"env_vars": env},
-                        max_concurrency=_WORKER_THREADS,
-                        max_restarts=0,
-                        name=worker_name(self.gang_id, self.epoch, placement.process_id),
-                    ).remote(
-                        self.gang_id,
-                        self.shape,
-                        placement.process_id,
-                        window=self._window,
-                        token=token,
-                    )
+                spec = WorkerSpec(
+                    worker_name(self.gang_id, self.epoch, placement.process_id),
+                    self.gang_id,
+                    self.shape,
+                    placement.process_id,
+                    s.type.chips_per_host,
+                    env,
+                    self.options.worker_window,
+                    token,
                 )
-        coordinator = await self._workers[0].free_address.remote(head.address)
+                self._workers.append(self._backend.start_worker(self._reservation, spec))
+        coordinator = await self._workers[0].free_address(head.address)
         infos = await asyncio.gather(
             *(
-                w.initialize.remote(
+                w.initialize(
                     coordinator,
                     self.epoch,
                     partition_index=i // self.shape.hosts_per_slice,
@@ -311,13 +315,11 @@ class Gang:
             )
         )
         self.platform = infos[0]["platform"]
-        self.data_addresses = list(
-            await asyncio.gather(*(w.data_address.remote() for w in self._workers))
-        )
+        self.data_addresses = list(await asyncio.gather(*(w.data_address() for w in self._workers)))
         self._channels = list(
             await asyncio.gather(
                 *(
-                    ControllerEnd.connect(address, token, self.epoch, self.describe_process(p))
+                    self._backend.connect(address, token, self.epoch, self.describe_process(p))
                     for p, address in enumerate(self.data_addresses)
                 )
             )
@@ -339,11 +341,10 @@ class Gang:
         s, h = divmod(process_id, self.shape.hosts_per_slice)
         return f"host {h} of slice {self.slices[s].name}"
 
-    def _on_broken(self, reason: str) -> None:
+    def _on_broken(self, reason: str, epoch: int) -> None:
+        """The dispatcher of `epoch` lost a worker: the gang fails, if it was running."""
         metrics.FAILURES.labels("worker").inc()
-        if self.state in (GangState.READY, GangState.PREEMPTING):
-            self.state = GangState.FAILED
-            self.failure = reason
+        if self.state.usable and self.transition(GangState.FAILED, why=reason, epoch=epoch):
             self.publish("failed", reason)
 
     def _observe(
@@ -371,8 +372,10 @@ class Gang:
 
     async def collect_spans(self, timeout_s: float = 10.0) -> list[tuple[str, list[Span]]]:
         """Every worker's spans, named by host; workers that do not answer are skipped."""
+        if not self._workers:
+            return []
         replies = await asyncio.gather(
-            *(asyncio.wait_for(w.trace_spans.remote(), timeout_s) for w in self._workers),
+            *(asyncio.wait_for(w.trace_spans(), timeout_s) for w in self._workers),
             return_exceptions=True,
         )
         return [
@@ -407,31 +410,59 @@ class Gang:
         )
 
     async def drop_pin(self, pin_id: str) -> None:
-        await asyncio.gather(
-            *(w.drop_pin.remote(pin_id) for w in self._workers), return_exceptions=True
-        )
+        await asyncio.gather(*(w.drop_pin(pin_id) for w in self._workers), return_exceptions=True)
 
     async def worker_stats(self) -> list[dict[str, Any]]:
-        return list(await asyncio.gather(*(w.stats.remote() for w in self._workers)))
+        return list(await asyncio.gather(*(w.stats() for w in self._workers)))
 
     # -- stop -----------------------------------------------------------------------
 
-    async def stop(self) -> None:
-        """Kills the workers and frees the slices; safe to call more than once."""
-        import ray
-        from ray.util.placement_group import remove_placement_group
+    def stop(self, then: GangState, why: str) -> asyncio.Future[None]:
+        """Closes the dispatcher, stops the workers and frees the reservation, passing
+        through STOPPING to `then` (QUEUED, PREEMPTED, FAILED or RELEASED); resolves when
+        done. The gang is STOPPING (unusable) as soon as this returns, unless a stop is
+        already under way: this one then follows it. Cancelling a waiter does not cancel
+        the stop.
 
-        await self.dispatcher.close(f"gang {self.gang_id} stopped")
-        for channel in self._channels:
-            channel.close()
-        self._channels.clear()
-        for worker in self._workers:
-            with contextlib.suppress(Exception):
-                ray.kill(worker, no_restart=True)
-        for pg in self._placement_groups:
-            with contextlib.suppress(Exception):
-                remove_placement_group(pg)
-        self._workers.clear()
-        self._placement_groups.clear()
-        if self.state is not GangState.FAILED:
-            self.state = GangState.RELEASED
+        Raises:
+            InvalidTransitionError: the gang cannot be stopped from its state.
+        """
+        if self._stopping is not None:
+            return asyncio.ensure_future(self._stop_later(then, why))
+        self.transition(GangState.STOPPING, why=why)
+        self._stopping_to = then
+        self._stopping = asyncio.ensure_future(self._stop_then(then, why))
+        return asyncio.shield(self._stopping)
+
+    async def _stop_later(self, then: GangState, why: str) -> None:
+        await self.wait_stopped()
+        await self.stop(then, why)
+
+    async def wait_stopped(self) -> None:
+        """Returns once no stop is under way."""
+        while self._stopping is not None:
+            await asyncio.shield(self._stopping)
+
+    @property
+    def stopping_to(self) -> GangState | None:
+        """The state a stop under way leads to (None when none is)."""
+        return self._stopping_to
+
+    async def _stop_then(self, then: GangState, why: str) -> None:
+        try:
+            await self.dispatcher.close(f"gang {self.gang_id} {why}")
+            for channel in self._channels:
+                channel.close()
+            for worker in self._workers:
+                with contextlib.suppress(Exception):
+                    self._backend.kill(worker)
+            if self._reservation is not None:
+                with contextlib.suppress(Exception):
+                    self._backend.remove(self._reservation)
+            self._channels.clear()
+            self._workers.clear()
+            self._reservation = None
+        finally:
+            self._stopping = None
+            self._stopping_to = None
+            self.transition(then, why=why)

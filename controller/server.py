@@ -9,8 +9,11 @@ import os
 import signal
 import sys
 import tempfile
-from dataclasses import dataclass
+import threading
+from dataclasses import dataclass, field
 from pathlib import Path
+
+from controller.options import ControllerOptions
 
 log = logging.getLogger(__name__)
 
@@ -25,10 +28,11 @@ class ServerConfig:
     ray_address: str | None = None
     host_object_store_mb: int = 1536
     head_object_store_mb: int = 3072
-    worker_window: int = 3
     metrics_port: int | None = None
-    # Seconds a preempted gang's holder gets to save its work before the gang is stopped.
-    preemption_grace_s: float = 30.0
+    options: ControllerOptions = field(default_factory=ControllerOptions)
+    # Stop when standard input reaches its end: a parent that started the controller on a
+    # pipe (tests, scripts) takes it down by exiting, even when killed outright.
+    stop_on_stdin_eof: bool = False
     # Where the journal (jobs, their metrics) lives; None: a fresh temporary directory
     # with --sim (the simulation dies with the controller), ~/.local/state otherwise.
     state_dir: str | None = None
@@ -103,6 +107,15 @@ def run(config: ServerConfig) -> int:
         log.info("controller stopped")
 
 
+def _stop_at_stdin_eof(loop: asyncio.AbstractEventLoop, stop: asyncio.Event) -> None:
+    # os.read, not sys.stdin: a daemon thread blocked inside a buffered stream holds its
+    # lock, and the interpreter aborts at exit when it cannot take that lock.
+    while os.read(0, 4096):
+        pass
+    log.info("standard input closed: the process that started this controller is gone")
+    loop.call_soon_threadsafe(stop.set)
+
+
 async def _serve(
     config: ServerConfig, simulation_pid: int, ray_address: str, state_dir: str
 ) -> int:
@@ -116,8 +129,7 @@ async def _serve(
 
     controller = Controller(
         simulated=bool(config.sim),
-        worker_window=config.worker_window,
-        grace_s=config.preemption_grace_s,
+        options=config.options,
     )
     await controller.start()
     journal = Journal(Path(state_dir) / "journal.sqlite")
@@ -142,6 +154,10 @@ async def _serve(
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    if config.stop_on_stdin_eof:
+        threading.Thread(
+            target=_stop_at_stdin_eof, args=(loop, stop), name="stdin-watch", daemon=True
+        ).start()
     slices = len(controller.scheduler.inventory)
     if config.metrics_port is not None:
         from controller.metrics import serve_metrics

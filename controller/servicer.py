@@ -1,6 +1,7 @@
 """The gRPC edge of the controller: protobuf in, calls into `Controller`, protobuf out.
 
-Each error class maps to one status code here and nowhere else; an unexpected error
+Errors become status codes here and nowhere else, by the table in
+slicewise/common/errors.py (each error class names its code); an unexpected error
 becomes INTERNAL for that one call and the controller keeps serving everyone else.
 """
 
@@ -24,31 +25,16 @@ from controller.logs import set_log_context
 from protos import controller_pb2 as pb
 from protos import controller_pb2_grpc as pb_grpc
 from slicewise import wire
-from slicewise.common.errors import (
-    CapacityError,
-    DeadlineError,
-    FailedPreconditionError,
-    InvalidRequestError,
-    NotFoundError,
-    WorkerError,
-)
+from slicewise.common.errors import InvalidRequestError, SlicewiseError
 
 log = logging.getLogger(__name__)
 
-_CODES: list[tuple[type[Exception], grpc.StatusCode]] = [
-    (InvalidRequestError, grpc.StatusCode.INVALID_ARGUMENT),
-    (NotFoundError, grpc.StatusCode.NOT_FOUND),
-    (FailedPreconditionError, grpc.StatusCode.FAILED_PRECONDITION),
-    (CapacityError, grpc.StatusCode.RESOURCE_EXHAUSTED),
-    (DeadlineError, grpc.StatusCode.DEADLINE_EXCEEDED),
-    (WorkerError, grpc.StatusCode.UNAVAILABLE),
-]
-
 
 def status_code_for(exc: BaseException) -> grpc.StatusCode:
-    for cls, code in _CODES:
-        if isinstance(exc, cls):
-            return code
+    """The status an error travels as: its class's (slicewise/common/errors.py), or
+    INTERNAL for anything that is not one of ours (a bug)."""
+    if isinstance(exc, SlicewiseError):
+        return grpc.StatusCode[exc.status]
     return grpc.StatusCode.INTERNAL
 
 
@@ -252,9 +238,8 @@ class ControllerServicer(pb_grpc.ControllerServicer):
         try:
             while True:
                 kind, message = await queue.get()
-                grace = (
-                    max(0.0, gang.preempt_deadline - time.monotonic()) if kind == "preempt" else 0.0
-                )
+                now = self.controller.scheduler.clock()
+                grace = max(0.0, gang.preempt_deadline - now) if kind == "preempt" else 0.0
                 yield pb.GangEvent(kind=kind, message=message, grace_s=grace)
                 if kind == "released":
                     return
@@ -348,7 +333,7 @@ class ControllerServicer(pb_grpc.ControllerServicer):
     ) -> AsyncIterator[pb.FetchChunk]:
         record, array = await self.controller.fetch(request.handle, request.timeout_s)
         yield pb.FetchChunk(header=messages.array_to_pb(record))
-        for piece in wire.chunks(memoryview(array.reshape(-1).view(np.uint8))):
+        for piece in wire.chunks(array.reshape(-1).view(np.uint8).data):
             yield pb.FetchChunk(data=bytes(piece))
 
     @_unary

@@ -5,7 +5,8 @@ import asyncio
 
 import pytest
 
-from controller.dispatch import Dispatcher, GangBrokenError
+from controller.dispatch import Dispatcher
+from slicewise.common.errors import WorkerError
 from slicewise.common.ops import DeleteOp, OpResult
 
 TIMEOUT = 5.0
@@ -183,11 +184,17 @@ def test_a_broken_transport_fails_everything_and_refuses_more(where):
         error = ConnectionError("worker 0 died")
         workers = FakeWorkers(2, hold=True, **{f"{where}_raises": error})
         dispatcher = Dispatcher(
-            workers.send, workers.poll, 2, max_in_flight=2, on_broken=broken_calls.append
+            workers.send,
+            workers.poll,
+            2,
+            name="gang g7",
+            max_in_flight=2,
+            on_broken=broken_calls.append,
         )
         dones = [dispatcher.submit(delete).done for _ in range(5)]
         results = await asyncio.gather(*dones)
-        with pytest.raises(GangBrokenError, match="worker 0 died"):
+        # A WorkerError: the client gets UNAVAILABLE naming what died, never INTERNAL.
+        with pytest.raises(WorkerError, match="gang g7 cannot run more work: .*worker 0 died"):
             dispatcher.submit(delete)
         await dispatcher.close("released")
         return results, dispatcher.broken
@@ -332,3 +339,19 @@ def test_a_build_that_fails_still_uses_its_seq_and_reports_the_error():
     results, delivered = run(scenario())
     assert results == ["ValueError: cannot build", None]
     assert delivered == [1, 2]  # the worker's order has no hole
+
+
+def test_each_workers_report_of_when_it_ran_an_op_lands_on_the_ticket():
+    async def scenario():
+        workers = FakeWorkers(2, hold=True)
+        dispatcher = Dispatcher(workers.send, workers.poll, 2)
+        ticket = dispatcher.submit(delete)
+        await until(lambda: workers.queued[0] and workers.queued[1])
+        for worker, (started, finished) in enumerate([(10, 30), (5, 45)]):
+            workers.completed[worker].append(OpResult(ticket.seq, None, None, started, finished))
+        workers.changed.set()
+        await ticket.done
+        await dispatcher.close("done")
+        return ticket
+
+    assert run(scenario()).ran == {0: (10, 30), 1: (5, 45)}

@@ -1,0 +1,66 @@
+"""The controller's tunables in one place: set once from the `slicewise controller` flags
+(or by a test), validated on creation, and handed to the parts that use them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class ControllerOptions:
+    """How a controller runs its gangs, dispatch and jobs.
+
+    Attributes:
+        worker_window: programs in flight per host before the executor waits for the
+            oldest (XLA:CPU with gloo slows down and can hang with dozens in flight).
+        preemption_grace_s: time a preempted gang's holder gets to save its work.
+        exclusive_in_flight: operations numbered ahead of their completion on a gang with
+            one client: many, so that a chain of calls goes out as one batch.
+        shared_in_flight: the same on a shared gang: fewer, since numbering late is what
+            lets each client's work interleave by its weight.
+        allocate_timeout_s: how long an allocation waits when its caller gives no timeout.
+        gang_start_timeout_s: reserving a gang's hosts and forming its cluster.
+        reserve_attempts: reservations that lose a slice mid-way are retried this often.
+        inventory_period_s: how often the Ray node table is read.
+        fetch_timeout_s: how long a fetch waits when its caller gives no timeout.
+        steps_ahead: steps a training job queues beyond the last one it has read.
+    """
+
+    worker_window: int = 3
+    preemption_grace_s: float = 30.0
+    exclusive_in_flight: int = 256
+    shared_in_flight: int = 32
+    allocate_timeout_s: float = 600.0
+    gang_start_timeout_s: float = 240.0
+    reserve_attempts: int = 3
+    inventory_period_s: float = 1.0
+    fetch_timeout_s: float = 600.0
+    steps_ahead: int = 4
+
+    def __post_init__(self) -> None:
+        for name in _COUNTS:
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)!r}")
+        for name in _DURATIONS:
+            if not getattr(self, name) > 0:  # NaN fails this too
+                raise ValueError(
+                    f"{name} must be a positive number of seconds, got {getattr(self, name)!r}"
+                )
+        if not self.preemption_grace_s >= 0:
+            raise ValueError(
+                f"preemption_grace_s must be 0 or more seconds, got {self.preemption_grace_s!r}"
+            )
+
+
+_COUNTS = (
+    "worker_window",
+    "exclusive_in_flight",
+    "shared_in_flight",
+    "reserve_attempts",
+    "steps_ahead",
+)
+_DURATIONS = ("allocate_timeout_s", "gang_start_timeout_s", "inventory_period_s", "fetch_timeout_s")
+
+
+# Frozen, so one instance can be every default.
+DEFAULT_OPTIONS = ControllerOptions()

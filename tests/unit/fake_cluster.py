@@ -1,0 +1,207 @@
+"""An in-memory ClusterBackend (controller/backend.py) for unit tests: a node table the
+test edits, reservations the test makes ready or fail when it likes, workers and control
+channels that complete every operation at once. Every call is recorded, so a test can
+check what was reserved, started, killed and removed, and that nothing is left behind."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from controller.backend import HostBundle, Reservation, Worker, WorkerSpec
+from controller.simcluster import host_labels, host_resources, slice_names
+from slicewise.common.framing import ChannelError
+from slicewise.common.ops import Op, OpResult
+from slicewise.common.topology import SliceType, slice_type
+
+
+class Clock:
+    """A clock the test moves by hand (the scheduler's deadlines, grace periods)."""
+
+    def __init__(self, now: float = 1000.0) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+
+class FakeReservation:
+    """A reservation that is ready when the test (or `FakeCluster.auto_ready`) says."""
+
+    def __init__(self, name: str, hosts: list[HostBundle]) -> None:
+        self.name = name
+        self.hosts = hosts
+        self.outcome: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self.removed = False
+
+    async def ready(self) -> None:
+        await asyncio.shield(self.outcome)
+
+    @property
+    def slices(self) -> list[str]:
+        return sorted({h.slice_name for h in self.hosts})
+
+    def make_ready(self) -> None:
+        self.outcome.set_result(None)
+
+    def fail(self, error: Exception) -> None:
+        self.outcome.set_exception(error)
+
+
+class FakeWorker:
+    """A worker actor that answers at once."""
+
+    def __init__(self, spec: WorkerSpec) -> None:
+        self.spec = spec
+        self.killed = False
+        self.epoch = 0
+
+    async def free_address(self, host: str) -> str:
+        return f"{host}:8476"
+
+    async def initialize(
+        self,
+        coordinator: str,
+        epoch: int,
+        *,
+        partition_index: int,
+        bind_address: str | None,
+        timeout_s: int,
+    ) -> dict[str, Any]:
+        self.epoch = epoch
+        return {"platform": "cpu", "pid": 100 + self.spec.process_id}
+
+    async def data_address(self) -> str:
+        return f"fake-{self.spec.name}:9000"
+
+    async def stats(self) -> dict[str, Any]:
+        return {"process_id": self.spec.process_id, "pid": 100 + self.spec.process_id}
+
+    async def trace_spans(self) -> list[Any]:
+        return []
+
+    async def drop_pin(self, pin_id: str) -> None:
+        return None
+
+
+class FakeChannel:
+    """A control channel whose worker completes every operation as soon as it arrives;
+    `die()` makes it fail as a channel to a killed worker process does."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.sent: list[Op] = []
+        self.closed = False
+        self._results: asyncio.Queue[list[OpResult] | Exception] = asyncio.Queue()
+
+    async def send(self, ops: list[Op]) -> None:
+        self.sent.extend(ops)
+        self._results.put_nowait([OpResult(op.seq) for op in ops])
+
+    async def receive(self) -> list[OpResult]:
+        item = await self._results.get()
+        if isinstance(item, Exception):
+            raise item
+        return item
+
+    def die(self) -> None:
+        self._results.put_nowait(
+            ChannelError(
+                f"{self.name} closed its control channel (the worker process died or was killed)"
+            )
+        )
+
+    def close(self) -> None:
+        self.closed = True
+
+
+class FakeCluster:
+    """Simulated v5e slices as a node table, and the backend calls made against them."""
+
+    def __init__(self, *types: str, auto_ready: bool = True) -> None:
+        self.auto_ready = auto_ready
+        self.alive: dict[tuple[str, int], bool] = {}
+        self.types: dict[str, SliceType] = {}
+        for name, stype in zip(
+            slice_names([slice_type(t) for t in types]), map(slice_type, types), strict=True
+        ):
+            self.types[name] = stype
+            for h in range(stype.hosts):
+                self.alive[(name, h)] = True
+        self.reservations: list[FakeReservation] = []
+        self.workers: list[FakeWorker] = []
+        self.channels: list[FakeChannel] = []
+        self.calls: list[tuple[str, str]] = []  # (what, name), in order
+
+    # -- what the test does -------------------------------------------------------------
+
+    def kill_host(self, slice_name: str, worker_id: int = 0) -> None:
+        self.alive[(slice_name, worker_id)] = False
+
+    async def reservation(self, index: int = -1, timeout_s: float = 5.0) -> FakeReservation:
+        """The reservation at `index` once it exists (-1: the next one not yet removed)."""
+
+        async def appeared() -> FakeReservation:
+            while True:
+                live = [r for r in self.reservations if not r.removed and not r.outcome.done()]
+                if index == -1 and live:
+                    return live[0]
+                if index >= 0 and len(self.reservations) > index:
+                    return self.reservations[index]
+                await asyncio.sleep(0.001)
+
+        return await asyncio.wait_for(appeared(), timeout_s)
+
+    def held(self) -> list[FakeReservation]:
+        """Reservations not removed."""
+        return [r for r in self.reservations if not r.removed]
+
+    def live_workers(self) -> list[FakeWorker]:
+        return [w for w in self.workers if not w.killed]
+
+    # -- ClusterBackend -----------------------------------------------------------------
+
+    def nodes(self) -> list[dict[str, Any]]:
+        return [
+            {
+                "NodeID": f"node-{name}-{h}",
+                "NodeManagerAddress": f"10.0.{list(self.types).index(name)}.{h}",
+                "Alive": alive,
+                "Resources": host_resources(name, self.types[name], h),
+                "Labels": host_labels(name, self.types[name], h),
+            }
+            for (name, h), alive in self.alive.items()
+        ]
+
+    def reserve(self, name: str, hosts: Any) -> Reservation:
+        reservation = FakeReservation(name, list(hosts))
+        self.reservations.append(reservation)
+        self.calls.append(("reserve", name))
+        if self.auto_ready:
+            reservation.make_ready()
+        return reservation
+
+    def start_worker(self, reservation: Reservation, spec: WorkerSpec) -> Worker:
+        assert isinstance(reservation, FakeReservation) and not reservation.removed
+        worker = FakeWorker(spec)
+        self.workers.append(worker)
+        self.calls.append(("start", spec.name))
+        return worker
+
+    async def connect(self, address: str, token: str, epoch: int, name: str) -> FakeChannel:
+        channel = FakeChannel(name)
+        self.channels.append(channel)
+        return channel
+
+    def kill(self, worker: Worker) -> None:
+        assert isinstance(worker, FakeWorker)
+        worker.killed = True
+        self.calls.append(("kill", worker.spec.name))
+
+    def remove(self, reservation: Reservation) -> None:
+        assert isinstance(reservation, FakeReservation)
+        reservation.removed = True
+        self.calls.append(("remove", reservation.name))
