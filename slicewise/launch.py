@@ -57,8 +57,12 @@ class ControllerProcess:
                 *where,
                 "--port",
                 "0",
+                "--stop-on-stdin-eof",
                 *extra_args,
             ],
+            # Never written to: it closes when this process exits, however it exits, and
+            # the controller then stops (no controller outlives a killed test run).
+            stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=stderr,
             text=True,
@@ -142,4 +146,6 @@ def stop_process(proc: subprocess.Popen, timeout_s: float = 90.0) -> int:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, signal.SIGKILL)
             proc.wait(timeout=30)
+    if proc.stdin is not None:
+        proc.stdin.close()
     return proc.returncode

@@ -20,6 +20,7 @@ from slicewise.launch import ControllerProcess
 SHARED_SIM = "2xv5litepod-4,v5litepod-16"
 
 _LOGS: list[Path] = []
+_LOG_OF: dict[int, Path] = {}  # controller pid -> its log
 
 
 def log_tail(path: Path, lines: int = 60) -> str:
@@ -45,9 +46,16 @@ def start_controller(tmp_path_factory, name: str, *, extra_args=(), **kwargs) ->
     path = directory / f"{name}.log"
     _LOGS.append(path)
     with open(path, "w") as log:
-        return ControllerProcess(
+        proc = ControllerProcess(
             stderr=log, extra_args=("--state-dir", str(directory / "state"), *extra_args), **kwargs
         )
+    _LOG_OF[proc.pid] = path
+    return proc
+
+
+def controller_log(controller: ControllerProcess) -> str:
+    """What a controller started by `start_controller` has logged so far."""
+    return _LOG_OF[controller.pid].read_text(errors="replace")
 
 
 @pytest.fixture(scope="session")

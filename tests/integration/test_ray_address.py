@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import time
+import threading
 
 import numpy as np
 import pytest
@@ -17,6 +17,7 @@ import pytest
 import slicewise
 from programs.demo import dcn_sum_matmul, dcn_sum_matmul_reference
 from slicewise.launch import stop_process
+from slicewise.testing import wait_until
 from tests.integration.conftest import start_controller
 from tests.integration.test_shutdown import _alive
 
@@ -32,14 +33,22 @@ def external_cluster():
         start_new_session=True,
     )
     try:
-        address = None
-        deadline = time.monotonic() + 180
-        while address is None and time.monotonic() < deadline and proc.poll() is None:
-            line = proc.stdout.readline()
-            if "Ray address" in line:
-                address = line.rsplit(" ", 1)[1].strip()
-        assert address, "the simulated cluster did not report its address"
-        yield proc, address
+        lines: list[str] = []
+
+        def read():
+            # To the end, so that the cluster never blocks on a full pipe; in a thread, so
+            # that the wait below can time out.
+            for line in proc.stdout:
+                lines.append(line)
+
+        threading.Thread(target=read, daemon=True).start()
+
+        def address():
+            found = [ln.rsplit(" ", 1)[1].strip() for ln in list(lines) if "Ray address" in ln]
+            assert found or proc.poll() is None, f"the cluster exited with {proc.returncode}"
+            return found[0] if found else None
+
+        yield proc, wait_until(address, timeout_s=180, what="the cluster to print its address")
     finally:
         assert stop_process(proc) == 0
 
@@ -75,10 +84,12 @@ def test_controller_joins_an_existing_cluster_and_leaves_it_running(
             held = client.allocate(slices=1, slice_type="v5litepod-1", timeout=120)
             worker_pids += [w.pid for w in held.stats().workers]
         assert controller.stop() == 0
-        deadline = time.monotonic() + 60
-        while any(_alive(p) for p in worker_pids) and time.monotonic() < deadline:
-            time.sleep(0.5)
-        assert not [p for p in worker_pids if _alive(p)], "workers outlived their controller"
+        wait_until(
+            lambda: not any(_alive(p) for p in worker_pids),
+            timeout_s=60,
+            interval_s=0.5,
+            what=f"the workers {worker_pids} to exit with their controller",
+        )
         assert cluster_proc.poll() is None, "stopping the controller stopped the Ray cluster"
     finally:
         controller.stop()

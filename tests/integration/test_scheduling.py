@@ -5,8 +5,8 @@ shared gangs with weighted shares, and preemption of a lower-priority gang."""
 from __future__ import annotations
 
 import json
+import re
 import threading
-import time
 
 import jax
 import numpy as np
@@ -16,9 +16,13 @@ import slicewise
 from controller.simcluster import SimulationProcess
 from programs.microbench import allreduce_add
 from protos import controller_pb2 as pb
-from tests.integration.conftest import start_controller
+from slicewise.testing import wait_until
+from tests.integration.conftest import controller_log, start_controller
 
 pytestmark = pytest.mark.integration
+
+# Seconds a gang being preempted is given to save its state and release.
+GRACE_S = 10
 
 
 @pytest.fixture(scope="module")
@@ -44,7 +48,7 @@ def sched_controller(tmp_path_factory, cluster, failpoints):
         "scheduling",
         ray_address=cluster.address,
         env={"SLICEWISE_FAILPOINTS": str(failpoints)},
-        extra_args=("--preemption-grace", "5"),
+        extra_args=("--preemption-grace", str(GRACE_S)),
     )
     try:
         yield controller
@@ -82,52 +86,101 @@ def partial_groups(table) -> list[str]:
     return bad
 
 
+def sampling(ray_table, seen: list[str], condition):
+    """`condition` for `wait_until`, that also adds the partial placement groups of each
+    look at Ray's table to `seen`."""
+
+    def check():
+        seen.extend(partial_groups(ray_table()))
+        return condition()
+
+    return check
+
+
 def test_two_clients_ask_for_three_of_four_slices_at_once(sched_controller, ray_table):
-    results: dict[str, list] = {"a": [], "b": []}
+    order: list[tuple[str, str]] = []  # ("allocated" | "releasing", client), as they happen
+    results: dict[str, object] = {}
     release = threading.Event()
 
     def client_run(name):
-        with slicewise.connect(sched_controller.address, name=name) as c:
-            gang = c.allocate(slices=3, slice_type="v5litepod-4", timeout=300)
-            results[name].append((time.monotonic(), gang.id, tuple(gang.slices)))
-            mesh = gang.mesh()
-            x = gang.put(np.ones(12, np.float32), mesh.sharding(("slice", "chip")))
-            results[name].append(gang.compile(jax.jit(lambda a: a * 2), x)(x).fetch().tolist())
-            if not release.wait(timeout=120):
-                results[name].append("not released in time")
-            gang.release()
-            results[name].append((time.monotonic(), "released"))
+        try:
+            with slicewise.connect(sched_controller.address, name=name) as c:
+                gang = c.allocate(slices=3, slice_type="v5litepod-4", timeout=240)
+                order.append(("allocated", name))
+                mesh = gang.mesh()
+                x = gang.put(np.ones(12, np.float32), mesh.sharding(("slice", "chip")))
+                results[name] = gang.compile(jax.jit(lambda a: a * 2), x)(x).fetch().tolist()
+                if not release.wait(timeout=240):
+                    results[name] = "not released in time"
+                order.append(("releasing", name))
+                gang.release()
+        except Exception as exc:  # noqa: BLE001 - reported by the assertions below
+            results[name] = exc
 
-    threads = [threading.Thread(target=client_run, args=(n,)) for n in "ab"]
+    def first_given():
+        failed = {n: r for n, r in results.items() if isinstance(r, Exception)}
+        assert not failed, failed  # fail now rather than wait for the other in vain
+        return order and order[0][1]
+
+    threads = [threading.Thread(target=client_run, args=(n,), daemon=True) for n in "ab"]
     for t in threads:
         t.start()
-    seen_partial, queue_seen, held_while_waiting = [], [], []
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline and not (results["a"] or results["b"]):
-        seen_partial += partial_groups(ray_table())
-        time.sleep(0.1)
-    # One is admitted; the other waits in the queue with a reason.
+    seen_partial: list[str] = []
+    first = wait_until(
+        sampling(ray_table, seen_partial, first_given),
+        timeout_s=240,
+        interval_s=0.1,
+        what="one of the two clients to be given three slices",
+    )
+    second = "b" if first == "a" else "a"
+    # One is admitted; the other waits in the queue with a reason, however often we look.
     with slicewise.connect(sched_controller.address) as observer:
-        for _ in range(20):
+
+        def queued():
             info = observer.cluster_info()
+            return info if info.queue else None
+
+        snapshots = [
+            wait_until(
+                sampling(ray_table, seen_partial, queued),
+                timeout_s=120,
+                interval_s=0.1,
+                what=f"client {second}'s request to show in the queue",
+            )
+        ]
+        for _ in range(10):
             seen_partial += partial_groups(ray_table())
-            if info.queue:
-                queue_seen.append(info.queue[0])
-                held_while_waiting.append(sum(s.state == pb.SLICE_STATE_HELD for s in info.slices))
-            time.sleep(0.1)
+            snapshots.append(observer.cluster_info())
+    assert ("allocated", second) not in order, order
+    for info in snapshots:
+        assert [(q.client, q.num_slices, q.position) for q in info.queue] == [(second, 3, 0)]
+        assert "free" in info.queue[0].reason, info.queue[0]
+        # Never more than one gang's slices, never a part of a gang.
+        assert sum(s.state == pb.SLICE_STATE_HELD for s in info.slices) == 3, info.slices
     release.set()
-    for t in threads:
-        t.join(timeout=300)
-        seen_partial += partial_groups(ray_table())
-    assert all(not t.is_alive() for t in threads), "a client hung"
+    wait_until(
+        sampling(ray_table, seen_partial, lambda: not any(t.is_alive() for t in threads)),
+        timeout_s=240,
+        interval_s=0.1,
+        what="both clients to finish",
+    )
     assert not seen_partial, seen_partial
-    first, second = sorted(results.values(), key=lambda r: r[0][0])
-    assert first[1] == second[1] == [2.0] * 12  # both ran, correctly
-    assert second[0][0] >= first[-1][0] - 1.0  # the second ran after the first released
-    assert queue_seen and queue_seen[0].num_slices == 3 and queue_seen[0].position == 0
-    assert "free" in queue_seen[0].reason
-    assert set(held_while_waiting) == {3}  # never more, never a part of a gang
+    assert results == {"a": [2.0] * 12, "b": [2.0] * 12}  # both ran, correctly
+    # The second was given its slices only once the first was giving them back.
+    assert order.index(("releasing", first)) < order.index(("allocated", second)), order
     assert not [pg for pg in ray_table().values() if pg["state"] != "REMOVED"]
+
+
+# Programs counted while both clients of the shared gang have calls waiting: enough that
+# the calls in flight at either end of the count (the gang numbers up to 32 ahead) cannot
+# move the ratio by more than a few percent.
+SHARED_PROGRAMS = 2000
+# Calls per request, and requests a client keeps unfinished: far more work queued than
+# the gang can run, with a deep reserve so that the client thread, on a busy 2-core
+# machine, is never the one that runs dry (its share is then its weight's, not its
+# submission rate's).
+CHAIN_CALLS = 16
+RESERVE = 8
 
 
 def test_a_shared_gang_interleaves_two_clients_by_weight(sched_controller):
@@ -139,56 +192,65 @@ def test_a_shared_gang_interleaves_two_clients_by_weight(sched_controller):
     def client_run(name, weight):
         with slicewise.connect(sched_controller.address, name=name) as c:
             gang = c.allocate(
-                slices=2, slice_type="v5litepod-4", shared="team", weight=weight, timeout=300
+                slices=2, slice_type="v5litepod-4", shared="team", weight=weight, timeout=240
             )
             mesh = gang.mesh(dcn={"slice": 2}, ici={"chip": 4})
             y = gang.put(np.zeros(8, np.float32), mesh.sharding(("slice", "chip")))
             step = gang.compile(allreduce_add(mesh.abstract, ("slice", "chip")), y)
             out[name] = {"gang": gang, "calls": 0}
-            ready.wait(timeout=300)
+            ready.wait(timeout=240)
             outstanding = [y]
             while not stop.is_set():
-                # Eight calls a request, so that a client on this busy 2-core machine
-                # keeps more work queued than the gang can run (its share is then its
-                # weight's, not its submission rate's).
-                y = step.chain(8, y)
-                out[name]["calls"] += 8
+                y = step.chain(CHAIN_CALLS, y)
+                out[name]["calls"] += CHAIN_CALLS
                 outstanding.append(y)
-                if len(outstanding) > 12:
-                    outstanding[6].block_until_ready(timeout=120)
-                    slicewise.delete(outstanding[:6])
-                    del outstanding[:6]
-            out[name]["value"] = y.fetch(timeout=300).tolist()
+                if len(outstanding) > 2 * RESERVE:
+                    # Tops up again once only RESERVE requests are left unfinished.
+                    done = len(outstanding) - RESERVE - 1
+                    outstanding[done].block_until_ready(timeout=120)
+                    slicewise.delete(outstanding[:done])
+                    del outstanding[:done]
+            out[name]["value"] = y.fetch(timeout=120).tolist()
             gang.release()
 
     threads = [
-        threading.Thread(target=client_run, args=(n, w))
+        threading.Thread(target=client_run, args=(n, w), daemon=True)
         for n, w in [("light", 1.0), ("heavy", 2.0)]
     ]
     for t in threads:
         t.start()
-    ready.wait(timeout=300)
+    ready.wait(timeout=240)
     gang = out["light"]["gang"]
     assert gang.id.split("@")[0] == out["heavy"]["gang"].id.split("@")[0]  # one gang
-    time.sleep(5)  # both backlogged
 
-    def programs_run():
-        return {s.client: s.programs_run for s in gang.stats().shares}
+    def run_since(shares, start) -> dict[str, int]:
+        return {c: shares[c].programs_run - start[c].programs_run for c in shares}
 
-    before = programs_run()
-    time.sleep(20)
-    after = programs_run()
+    start: dict = {}
+
+    def counted():
+        """The shares at the start and at the end of a count of SHARED_PROGRAMS during
+        which every look found both clients with calls waiting: weights decide only
+        between clients that both want to run, so a look that finds one without starts
+        the count again."""
+        shares = {s.client: s for s in gang.stats().shares}
+        if set(shares) != {"light", "heavy"} or not all(s.waiting for s in shares.values()):
+            start.clear()
+        elif not start:
+            start.update(shares)
+        elif sum(run_since(shares, start).values()) >= SHARED_PROGRAMS:
+            return dict(start), shares
+        return None
+
+    before, after = wait_until(
+        counted, timeout_s=180, what=f"{SHARED_PROGRAMS} programs run with both clients waiting"
+    )
     stop.set()
     for t in threads:
-        t.join(timeout=300)
+        t.join(timeout=180)
     assert all(not t.is_alive() for t in threads), "a client hung"
-    light = after["light"] - before["light"]
-    heavy = after["heavy"] - before["heavy"]
-    print(
-        f"shared gang over 20 s: light {light}, heavy {heavy} programs (ratio {light / heavy:.3f})"
-    )
-    assert heavy > 100, (before, after)
-    assert abs(light / heavy - 0.5) <= 0.05, (before, after)
+    run = run_since(after, before)
+    assert abs(run["light"] / run["heavy"] - 0.5) <= 0.05, (run, before, after)
     for name in ("light", "heavy"):  # every call's result, in order: pmean + 1 each time
         assert out[name]["value"] == [float(out[name]["calls"])] * 8
 
@@ -198,29 +260,49 @@ def test_a_higher_priority_request_preempts_a_whole_lower_priority_gang(sched_co
         slicewise.connect(sched_controller.address, name="low") as low_client,
         slicewise.connect(sched_controller.address, name="high") as high_client,
     ):
-        low = low_client.allocate(slices=2, slice_type="v5litepod-4", priority=0)
-        other = low_client.allocate(slices=1, slice_type="v5litepod-4", priority=5)
-        events = []
+        low = low_client.allocate(slices=2, slice_type="v5litepod-4", priority=0, timeout=120)
+        events: list[tuple[str, float]] = []
         watcher = threading.Thread(
-            target=lambda: events.extend(
-                (time.monotonic(), e.kind, e.grace_s) for e in low.events()
-            ),
+            target=lambda: events.extend((e.kind, e.grace_s) for e in low.events()),
             daemon=True,
         )
         watcher.start()
-        time.sleep(0.5)
+
+        def kinds() -> list[str]:
+            return [k for k, _ in events]
+
+        # A watch is not acknowledged; it is registered long before anything happens to
+        # the gang, which takes starting another gang's workers and a program on this one.
+        other = low_client.allocate(slices=1, slice_type="v5litepod-4", priority=5, timeout=120)
         mesh = low.mesh()
         x = low.put(np.ones(8, np.float32), mesh.sharding(("slice", "chip")))
         double = low.compile(jax.jit(lambda a: a * 2), x)
         assert double(x).fetch().tolist() == [2.0] * 8
 
-        asked = time.monotonic()
-        high = high_client.allocate(slices=3, slice_type="v5litepod-4", priority=10, timeout=120)
-        admitted = time.monotonic()
-        kinds = [k for _, k, _ in events]
-        assert kinds[:2] == ["preempt", "preempted"], events
-        assert 3.0 < events[0][2] <= 5.0  # the grace period it was given
-        assert admitted - asked >= 4.0  # it waited out the grace period
+        granted: list = []
+
+        def ask():
+            try:
+                granted.append(
+                    high_client.allocate(
+                        slices=3, slice_type="v5litepod-4", priority=10, timeout=120
+                    )
+                )
+            except Exception as exc:  # noqa: BLE001 - reported by the assertions below
+                granted.append(exc)
+
+        asker = threading.Thread(target=ask, daemon=True)
+        asker.start()
+        wait_until(lambda: "preempt" in kinds(), timeout_s=60, what="the low gang's preempt event")
+        # Within its grace period the victim keeps its whole gang and the request waits.
+        assert double(x).fetch().tolist() == [2.0] * 8
+        assert not granted, granted
+        asker.join(timeout=150)
+        assert granted and isinstance(granted[0], slicewise.Gang), granted
+        high = granted[0]
+        wait_until(lambda: len(events) >= 2, timeout_s=60, what="the low gang's second event")
+        assert kinds()[:2] == ["preempt", "preempted"], events
+        assert 0.0 < events[0][1] <= GRACE_S  # the grace period it was given
         assert set(high.slices) >= set(low.slices)  # took the victim's slices, all of them
         with pytest.raises(slicewise.FailedPreconditionError, match="was preempted"):
             double(x)
@@ -236,10 +318,7 @@ def test_a_higher_priority_request_preempts_a_whole_lower_priority_gang(sched_co
         other.release()
         high.release()
 
-        deadline = time.monotonic() + 60
-        while "resumed" not in [k for _, k, _ in events] and time.monotonic() < deadline:
-            time.sleep(0.2)
-        assert "resumed" in [k for _, k, _ in events], events
+        wait_until(lambda: "resumed" in kinds(), timeout_s=120, what="the low gang to resume")
         y = low.put(np.full(8, 3.0, np.float32), mesh.sharding(("slice", "chip")))
         assert double(y).fetch().tolist() == [6.0] * 8  # the program loads again by itself
         low.release()
@@ -248,13 +327,18 @@ def test_a_higher_priority_request_preempts_a_whole_lower_priority_gang(sched_co
 def test_a_host_lost_during_reservation_is_rolled_back_and_retried_elsewhere(
     sched_controller, cluster, failpoints, ray_table
 ):
-    failpoints.write_text(json.dumps({"reserve_delay_s": 3}))
+    # The first reservation pauses before it asks Ray for anything. The pause outlasts
+    # the time Ray takes to see the host gone (~15 s here) and is cut short by the
+    # rollback. It is cleared once the host is gone and before Ray notices, so the retry
+    # does not pause (had it read the file first, it would pause once more: slower, not
+    # wrong).
+    failpoints.write_text(json.dumps({"reserve_delay_s": 60}))
     outcome: list = []
 
     def allocate():
         with slicewise.connect(sched_controller.address, name="reserver") as c:
             try:
-                gang = c.allocate(slices=3, slice_type="v5litepod-4", timeout=300)
+                gang = c.allocate(slices=3, slice_type="v5litepod-4", timeout=200)
                 outcome.append(gang)
                 outcome.append(
                     gang.compile(jax.jit(lambda a: a + 1), np.zeros(12, np.float32))(
@@ -267,21 +351,44 @@ def test_a_host_lost_during_reservation_is_rolled_back_and_retried_elsewhere(
             except Exception as exc:  # noqa: BLE001 - reported by the assertion below
                 outcome.append(exc)
 
-    thread = threading.Thread(target=allocate)
+    thread = threading.Thread(target=allocate, daemon=True)
     thread.start()
-    time.sleep(1.5)  # admitted to sim-0..2, waiting at the failpoint before reserving
-    cluster.remove_host("sim-1-v5litepod-4", 0)
+    with slicewise.connect(sched_controller.address) as observer:
+
+        def at_failpoint():
+            """The request's gang: admitted onto three slices, starting, paused at the
+            failpoint (the controller logged it), and with no placement group yet."""
+            for g in observer.cluster_info().gangs:
+                if g.client == "reserver" and g.state == "starting" and len(g.slices) == 3:
+                    prefix = f"slicewise-{g.gang_id}-"
+                    pausing = f"gang {g.gang_id}: failpoint: pausing"
+                    if pausing in controller_log(sched_controller) and not any(
+                        name.startswith(prefix) for name in ray_table()
+                    ):
+                        return g
+            return None
+
+        paused = wait_until(at_failpoint, timeout_s=120, what="the reservation to pause")
+    victim = paused.slices[1]
+    cluster.remove_host(victim, 0)
     failpoints.write_text("{}")
-    partial = []
-    while thread.is_alive():
-        partial += partial_groups(ray_table())
-        thread.join(timeout=0.2)
+    partial: list[str] = []
+    wait_until(
+        sampling(ray_table, partial, lambda: not thread.is_alive()),
+        timeout_s=240,
+        interval_s=0.2,
+        what="the allocation to finish",
+    )
     assert not partial, partial
     gang, result = outcome
     assert isinstance(gang, slicewise.Gang), gang
-    assert "sim-1-v5litepod-4" not in gang.slices and len(gang.slices) == 3
+    # The same request, rolled back off the lost slice and placed again without it.
+    assert gang.id == paused.gang_id
+    assert victim not in gang.slices and len(gang.slices) == 3, (victim, gang.slices)
+    retried = rf"gang {gang.id}: .*{re.escape(victim)}.*; retrying \(1/\d+\)"
+    assert re.search(retried, controller_log(sched_controller)), retried
     assert result == [1.0] * 12
     assert not [pg for pg in ray_table().values() if pg["state"] != "REMOVED"]
     with slicewise.connect(sched_controller.address) as c:
         states = {s.name: s.state for s in c.cluster_info().slices}
-    assert states["sim-1-v5litepod-4"] == pb.SLICE_STATE_BROKEN
+    assert states[victim] == pb.SLICE_STATE_BROKEN

@@ -2,15 +2,16 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
-import time
 
 import jax
 import numpy as np
 import pytest
 
 import slicewise
+from slicewise.testing import wait_until
 from tests.integration.conftest import start_controller
 
 pytestmark = pytest.mark.integration
@@ -42,6 +43,20 @@ def _alive(pid: int) -> bool:
         return False
 
 
+def wait_for_exit(pids: list[int], names: dict[int, str], timeout_s: float) -> None:
+    """Waits until none of `pids` is alive; the message names those that are."""
+    try:
+        wait_until(
+            lambda: not any(_alive(p) for p in pids),
+            timeout_s=timeout_s,
+            interval_s=0.5,
+            what="the processes to exit",
+        )
+    except TimeoutError:
+        left = {p: names.get(p, "supervisor") for p in pids if _alive(p)}
+        raise AssertionError(f"still alive after {timeout_s:g} s: {left}") from None
+
+
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
 def test_signal_on_controller_leaves_no_worker_or_raylet(tmp_path_factory, sig):
     controller = start_controller(tmp_path_factory, f"shutdown-{sig.name}", sim="2xv5litepod-1")
@@ -61,12 +76,7 @@ def test_signal_on_controller_leaves_no_worker_or_raylet(tmp_path_factory, sig):
         os.kill(controller.pid, sig)  # the gang is still held: shutdown must release it
         assert controller.proc.wait(timeout=120) == 0
 
-        deadline = time.monotonic() + 60
-        left = [p for p in [*members, sim_pid] if _alive(p)]
-        while left and time.monotonic() < deadline:
-            time.sleep(0.5)
-            left = [p for p in left if _alive(p)]
-        assert not left, {p: members.get(p, "supervisor") for p in left}
+        wait_for_exit([*members, sim_pid], members, timeout_s=60)
         assert not [p for p in _session_members(sim_pid) if _alive(p)]
     finally:
         controller.stop()
@@ -82,11 +92,46 @@ def test_killed_controller_takes_its_simulation_with_it(tmp_path_factory):
         assert any("raylet" in cmd for cmd in members.values())
         os.kill(controller.pid, signal.SIGKILL)
         controller.proc.wait(timeout=30)
-        deadline = time.monotonic() + 90
-        left = [p for p in [*members, sim_pid] if _alive(p)]
-        while left and time.monotonic() < deadline:
-            time.sleep(0.5)
-            left = [p for p in left if _alive(p)]
-        assert not left, {p: members.get(p, "supervisor") for p in left}
+        wait_for_exit([*members, sim_pid], members, timeout_s=90)
     finally:
         controller.stop()
+
+
+def test_a_killed_parent_takes_its_controller_with_it(tmp_path):
+    """A test run killed outright (SIGKILL: no finalizer runs) leaves no controller behind:
+    the controller started by slicewise.testing sees its stdin close and stops."""
+    import subprocess
+    import sys
+
+    parent = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import sys, threading\n"
+            "from slicewise.launch import ControllerProcess\n"
+            "c = ControllerProcess(sim='v5litepod-1', extra_args=('--state-dir', sys.argv[1]))\n"
+            "print(c.pid, flush=True)\n"
+            "threading.Event().wait()\n",
+            str(tmp_path / "state"),
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    controller_pid = 0
+    try:
+        assert parent.stdout is not None
+        # The parent prints the pid once the controller listens, or exits (start failed).
+        line = parent.stdout.readline()
+        assert line.strip().isdigit(), f"the controller did not start: {line!r}"
+        controller_pid = int(line)
+        assert _alive(controller_pid)
+        parent.kill()
+        parent.wait(timeout=30)
+        wait_for_exit([controller_pid], {controller_pid: "controller"}, timeout_s=120)
+    finally:
+        for group in (parent.pid, controller_pid):  # each leads a session of its own
+            if group:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(group, signal.SIGKILL)
+        parent.wait(timeout=30)
