@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import enum
 import itertools
-import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
@@ -39,7 +38,6 @@ class ArrayRecord:
     state: ArrayState = ArrayState.PENDING
     error: str = ""
     settled: asyncio.Event = field(default_factory=asyncio.Event, repr=False)
-    settled_at: float = 0.0  # time.monotonic() when the controller learned it was done
     # Its producing operation has its place in the gang's order, so later operations
     # that read it may be numbered.
     numbered: bool = False
@@ -51,7 +49,6 @@ class ArrayRecord:
         if self.state is ArrayState.PENDING:
             self.state = ArrayState.FAILED if error else ArrayState.READY
             self.error = error or ""
-            self.settled_at = time.monotonic()
         self.settled.set()
 
     def require_usable(self) -> None:

@@ -6,6 +6,10 @@ queues "build your rows of batch s" on every host, the step itself, and the dele
 the previous state. It keeps `STEPS_AHEAD` steps queued beyond the last one whose
 metrics it has read, so the workers never wait for a round trip to the controller.
 
+Step times are the workers' own measurements, carried back with each step's completion
+(`step_seconds`): completions travel in batches, so when they reach the controller says
+nothing about how long a step took.
+
 A job's state changes in exactly one place (`Job.transition`), along the table below;
 every change is journalled and published to whoever watches the job.
 """
@@ -17,14 +21,13 @@ import enum
 import logging
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from controller import metrics
-from controller.arrays import ArrayRecord
 from controller.journal import Journal, StepRecord
 from controller.logs import set_log_context
 from slicewise.common.arrays import ArraySpec
@@ -393,8 +396,7 @@ class JobRunner:
         tokens = program.tokens_per_step(config)
         self._move(job, JobState.RUNNING, f"mesh {mesh.describe()}, {flops / 1e9:.2f} GFLOP/step")
 
-        pending: deque[tuple[int, Any, ArrayRecord]] = deque()
-        last_done = time.monotonic()  # step 0's time includes the workers' compilation
+        pending: deque[tuple[int, Any]] = deque()
         metrics_index = len(step_program.outputs) - 1
         for step in range(job.step, spec.steps):
             if job.cancel_requested:
@@ -410,40 +412,63 @@ class JobRunner:
             )
             c.delete([*state_handles, *batch, outs[n_state].handle])
             state_handles = [r.handle for r in outs[:n_state]]
-            pending.append((step, ticket, outs[n_state]))
+            pending.append((step, ticket))
             while len(pending) > STEPS_AHEAD:
-                last_done = await self._record(job, *pending.popleft(), last_done, tokens)
+                await self._record(job, *pending.popleft(), tokens)
         while pending:
-            last_done = await self._record(job, *pending.popleft(), last_done, tokens)
+            await self._record(job, *pending.popleft(), tokens)
         c.delete(state_handles)
 
-    async def _record(
-        self, job: Job, step: int, ticket: Any, record: ArrayRecord, since: float, tokens: int
-    ) -> float:
+    async def _record(self, job: Job, step: int, ticket: Any, tokens: int) -> None:
         error = await ticket.done
         if error:
             raise FailedPreconditionError(f"step {step} failed: {error}")
-        # When the step finished on the gang (not when the controller got round to it).
-        now = record.settled_at or time.monotonic()
-        step_time = now - since
-        grad_norm, learning_rate, loss = (float(v) for v in ticket.values[0])
-        measured = StepRecord(
-            step,
-            loss,
-            grad_norm,
-            learning_rate,
-            step_time,
-            tokens / step_time if step_time > 0 else 0.0,
-            time.time(),
-        )
+        measured = step_record(step, ticket.values[0], ticket.ran, tokens)
         job.step = step + 1
         job.recent.append(measured)
         self.journal.add_steps(job.job_id, [measured])
         self.journal.update_job(job.job_id, measured.wall_time, step=job.step)
         metrics.STEPS.inc()
-        metrics.STEP_SECONDS.observe(step_time)
+        metrics.STEP_SECONDS.observe(measured.step_time_s)
         self._publish(job, [measured])
-        return now
+
+
+def step_seconds(ran: Mapping[int, tuple[int, int]]) -> float:
+    """How long a step took on its gang, from when each host ran it (worker index ->
+    (started_ns, finished_ns) by that host's clock; see worker/executor.py).
+
+    The longest of the hosts' times: every host runs the same program, joined by its
+    collectives, so the step is done when the slowest host is, and the hosts that got
+    there first spend the difference waiting inside the collectives (their intervals
+    include it). Host 0's time alone would miss a host that finishes after it. Each
+    interval is measured on one host's clock, so the hosts' clocks need not agree.
+
+    Raises:
+        ValueError: no host said when it ran the step.
+    """
+    if not ran:
+        raise ValueError("no worker reported when it ran the step")
+    return max(end - start for start, end in ran.values()) / 1e9
+
+
+def step_record(
+    step: int, values: Sequence[float], ran: Mapping[int, tuple[int, int]], tokens: int
+) -> StepRecord:
+    """A step's record from its completion: the reported metrics vector
+    [grad_norm, learning_rate, loss], when each host ran it (see `step_seconds`) and how
+    many tokens a step trains on. The first step's time includes compiling the program,
+    which each worker does when it launches it."""
+    grad_norm, learning_rate, loss = (float(v) for v in values)
+    seconds = step_seconds(ran)
+    return StepRecord(
+        step,
+        loss,
+        grad_norm,
+        learning_rate,
+        seconds,
+        tokens / seconds if seconds > 0 else 0.0,
+        max(end for _, end in ran.values()) / 1e9,
+    )
 
 
 def _export(

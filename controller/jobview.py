@@ -1,5 +1,8 @@
 """What `slicewise train` and `slicewise watch` show: a live progress bar on a terminal,
-one line per step otherwise (logs, pipes, tests), and the jobs table."""
+one line per step otherwise (logs, pipes, tests), and the jobs table.
+
+Step times and tokens/s are the workers' measurements of each step (see controller/jobs.py),
+shown as they come: nothing here derives a rate from when reports arrive."""
 
 from __future__ import annotations
 
@@ -20,10 +23,18 @@ def state_name(state: int) -> str:
     return pb.JobState.Name(state).removeprefix("JOB_STATE_").lower()
 
 
+def step_time(seconds: float) -> str:
+    """A step time for people: "0.42 ms", "4.2 ms", "312 ms", "2.50 s"."""
+    if seconds >= 1:
+        return f"{seconds:.2f} s"
+    ms = 1e3 * seconds
+    return f"{ms:.0f} ms" if ms >= 10 else f"{ms:.2g} ms"
+
+
 def step_line(job_id: str, steps: int, s: pb.StepMetrics) -> str:
     return (
         f"{job_id} step {s.step + 1}/{steps} loss {s.loss:.4f} "
-        f"{s.tokens_per_s:,.0f} tok/s {1e3 * s.step_time_s:.0f} ms/step"
+        f"{s.tokens_per_s:,.0f} tok/s {step_time(s.step_time_s)}/step"
     )
 
 
@@ -74,7 +85,7 @@ def _follow_live(events: Iterable[pb.JobEvent]) -> pb.JobInfo:
                 s = job.last
                 stats = (
                     f"loss {s.loss:.4f}  {s.tokens_per_s:,.0f} tok/s  "
-                    f"{1e3 * s.step_time_s:.0f} ms/step"
+                    f"{step_time(s.step_time_s)}/step"
                 )
             progress.update(
                 task,
@@ -91,9 +102,12 @@ def summary(job: pb.JobInfo, steps: list[pb.StepMetrics]) -> str:
     text = f"{job.job_id} {state_name(job.state)} after {job.step}/{job.steps} steps"
     if steps:
         tail = steps[-10:]
+        # Tokens over time, not the mean of the steps' rates (which a short step inflates).
+        seconds = sum(s.step_time_s for s in tail)
+        tokens = sum(s.tokens_per_s * s.step_time_s for s in tail)
         text += (
             f"; loss {steps[0].loss:.4f} -> {steps[-1].loss:.4f}, "
-            f"{sum(s.tokens_per_s for s in tail) / len(tail):,.0f} tok/s over the last "
+            f"{tokens / seconds if seconds > 0 else 0:,.0f} tok/s over the last "
             f"{len(tail)} steps"
         )
     if job.flops_per_step:
@@ -116,7 +130,7 @@ def print_jobs(jobs: list[pb.JobInfo], console: Console | None = None) -> None:
             state_name(j.state),
             f"{j.step}/{j.steps}",
             f"{last.loss:.4f}" if last else "-",
-            f"{1e3 * last.step_time_s:.0f} ms" if last else "-",
+            step_time(last.step_time_s) if last else "-",
             f"{last.tokens_per_s:,.0f}" if last else "-",
             j.gang_id or "-",
             f"{j.num_slices} x {j.slice_type}",

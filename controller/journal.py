@@ -37,7 +37,10 @@ CREATE TABLE IF NOT EXISTS step_metrics (
 
 @dataclass(frozen=True)
 class StepRecord:
-    """What one training step measured."""
+    """What one training step measured. `step_time_s` is how long the step ran on the
+    gang as its workers measured it (the slowest host's time, see jobs.step_seconds),
+    `tokens_per_s` the step's tokens over that time, and `wall_time` when the step
+    finished (seconds since the epoch, by the clock of the host that finished last)."""
 
     step: int
     loss: float

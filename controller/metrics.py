@@ -46,7 +46,9 @@ OPERATIONS = Counter("slicewise_operations_total", "Operations dispatched to gan
 BYTES = Counter("slicewise_bytes_total", "Array bytes moved through the controller", ["direction"])
 FAILURES = Counter("slicewise_failures_total", "Failed RPCs, operations and workers", ["kind"])
 STEP_SECONDS = Histogram(
-    "slicewise_step_seconds", "Training step time of jobs", buckets=_LATENCY_BUCKETS
+    "slicewise_step_seconds",
+    "Training step time of jobs, as their workers measured it (the slowest host's)",
+    buckets=_LATENCY_BUCKETS,
 )
 STEPS = Counter("slicewise_steps_total", "Training steps completed by jobs")
 

@@ -138,7 +138,8 @@ class TrainingProgram(ABC, Generic[C]):
 
     @abstractmethod
     def tokens_per_step(self, config: C) -> int:
-        """How many tokens one step trains on (for throughput reports)."""
+        """How many tokens one step trains on (throughput reports divide it by the step
+        time the workers measured)."""
 
     @abstractmethod
     def host_batch(

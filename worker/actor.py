@@ -16,7 +16,7 @@ from typing import Any
 
 from slicewise.common.framing import Pieces
 from slicewise.common.mesh import GangShape
-from slicewise.common.ops import Op, OpResult
+from slicewise.common.ops import ExecOp, Op, OpResult
 from slicewise.common.trace import Span, SpanRecorder, now_us
 from worker.channel import WorkerEnd
 from worker.executor import InOrderExecutor
@@ -62,22 +62,39 @@ class HostWorker:
             ray.util.get_node_ip_address(), self._receive, self._send, self._control
         )
 
-    def _on_done(self, op: Op, started_ns: int, finished_ns: int, result: OpResult) -> None:
+    def _on_done(self, op: Op, launched_ns: int, finished_ns: int, result: OpResult) -> None:
+        # The span is the interval the completion reports (what step times are made of).
+        # Programs get a row of their own: their spans follow each other on the devices,
+        # while the executor thread meanwhile applies the operations queued behind them.
         name, args = self.runtime.describe(op)
         if result.error:
             args["error"] = result.error
+        if launched_ns < result.started_ns:  # it waited for the program before it
+            args["launched_us"] = launched_ns // 1000
         self.spans.record(
             name,
             "execute",
-            started_ns // 1000,
+            result.started_ns // 1000,
             finished_ns // 1000,
-            thread="executor",
+            thread="programs" if isinstance(op, ExecOp) else "executor",
             gang=self.gang_id,
             seq=op.seq,
             **args,
         )
         assert self._channel is not None  # operations only come through it
         self._channel.completed(result)
+
+    def _on_sent(self, batch: list[OpResult], started_ns: int, finished_ns: int) -> None:
+        # One span per frame of completions: the timeline shows how they were batched.
+        self.spans.record(
+            "send completions",
+            "control",
+            started_ns // 1000,
+            finished_ns // 1000,
+            thread="control",
+            gang=self.gang_id,
+            seqs=[r.seq for r in batch],
+        )
 
     def _flush(self) -> None:
         if self._channel is not None:
@@ -143,7 +160,7 @@ class HostWorker:
             bind_address=bind_address,
             timeout_s=timeout_s,
         )
-        self._channel = WorkerEnd(self._token, epoch, self.executor.submit)
+        self._channel = WorkerEnd(self._token, epoch, self.executor.submit, self._on_sent)
         log.info("gang %s process %d joined: %s", self.gang_id, self.process_id, info)
         return info | {"pid": os.getpid()}
 

@@ -28,6 +28,7 @@ import logging
 import pickle
 import socket
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -38,6 +39,9 @@ log = logging.getLogger(__name__)
 
 # Completions queued on a worker that are sent without waiting for a flush.
 FLUSH_AT = 64
+
+# Told about every frame of completions sent: (completions, started_ns, finished_ns).
+OnSent = Callable[[list[OpResult], int, int], None]
 
 
 def _recv_exact(sock: socket.socket, n: int) -> bytearray:
@@ -53,14 +57,21 @@ def _recv_exact(sock: socket.socket, n: int) -> bytearray:
 
 class WorkerEnd:
     """The worker's end: hands each received batch to `submit`, and sends back what
-    `completed` is told about."""
+    `completed` is told about (and `on_sent` about each frame that went out)."""
 
-    def __init__(self, token: str, epoch: int, submit: Callable[[list[Op]], Any]) -> None:
+    def __init__(
+        self,
+        token: str,
+        epoch: int,
+        submit: Callable[[list[Op]], Any],
+        on_sent: OnSent | None = None,
+    ) -> None:
         if not token:
             raise ValueError("a control channel needs a token")
         self._token = token
         self._epoch = epoch
         self._submit = submit
+        self._on_sent = on_sent
         self._done: list[OpResult] = []
         self._cond = threading.Condition()
         self._conn: socket.socket | None = None
@@ -139,6 +150,7 @@ class WorkerEnd:
                 if self._conn is not conn:
                     return
                 batch, self._done = self._done, []
+            started = time.time_ns()
             try:
                 self._send(conn, ("done", batch))
             except OSError as exc:
@@ -146,3 +158,5 @@ class WorkerEnd:
                 with contextlib.suppress(OSError):
                     conn.shutdown(socket.SHUT_RDWR)
                 return
+            if self._on_sent is not None:
+                self._on_sent(batch, started, time.time_ns())

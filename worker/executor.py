@@ -9,10 +9,20 @@ XLA dispatch is asynchronous: applying an operation may return a `Pending` whose
 outstanding at once (on XLA:CPU with gloo, dozens in flight slow down and can hang), so
 the executor waits for the oldest before launching more: that is the back-pressure a
 caller feels as later completions.
+
+Each completion says when its operation ran (`OpResult.started_ns` / `finished_ns`), as
+this host measured it; the controller's step times and the "execute" spans of the
+timeline are these figures. For a program: from when it could start using the devices
+to when its outputs were ready (see `_Flight`). A second thread, the watcher, waits for
+the programs in flight one by one, so that the moment each is done is seen when it
+happens, not when the executor's thread gets round to looking: launching a program can
+itself block for about as long as a program runs (XLA:CPU with cross-process
+collectives does), and building a batch takes time too.
 """
 
 from __future__ import annotations
 
+import queue
 import threading
 import time
 from collections import deque
@@ -32,8 +42,11 @@ class Pending(Protocol):
 
 Apply = Callable[[Op], "Pending | None"]
 OnFailure = Callable[[Op, str], None]
-# Called once per operation when it completes: (op, started_ns, finished_ns, result).
+# Called once per operation when it completes: (op, launched_ns, finished_ns, result).
+# A program launched while earlier ones still ran starts running later than it was
+# launched: the result's `started_ns` says when.
 OnDone = Callable[[Op, int, int, OpResult], None]
+Clock = Callable[[], int]  # wall-clock nanoseconds
 # Called whenever the executor is about to wait (for operations, or for device work):
 # completions reported since can go out together now without delaying anything.
 OnIdle = Callable[[], None]
@@ -43,8 +56,33 @@ class SequenceError(RuntimeError):
     """An operation arrived with a sequence number that was already used."""
 
 
+class _Flight:
+    """A launched program: what the watcher learns of it, and when.
+
+    It ran from max(its launch, the previous program's end) to when its outputs were
+    ready. Programs in flight run one after another in launch order on the host's
+    devices (a training step reads the previous step's outputs), so a program launched
+    while up to `window - 1` others were ahead of it only starts when the one before it
+    ends: counting from its launch would count their time too (about `window` times the
+    step time in a steady training loop), and counting from the previous end alone
+    would count the time the devices sat idle waiting for work as the program's own.
+    This way each moment the devices were busy counts once, for the program that had
+    them, and the intervals are exactly the "execute" spans of the timeline.
+    """
+
+    __slots__ = ("done", "error", "fut", "launched_ns", "op", "pending", "ready_ns", "values")
+
+    def __init__(self, op: Op, pending: Pending, fut: Future[OpResult], launched_ns: int) -> None:
+        self.op, self.pending, self.fut, self.launched_ns = op, pending, fut, launched_ns
+        self.done = threading.Event()
+        self.values: Any = None
+        self.error: Exception | None = None
+        self.ready_ns = 0
+
+
 class InOrderExecutor:
-    """Applies operations in sequence order on one thread, at most `window` in flight."""
+    """Applies operations in sequence order on one thread, at most `window` in flight; a
+    second thread watches the programs in flight finish."""
 
     def __init__(
         self,
@@ -55,6 +93,7 @@ class InOrderExecutor:
         on_failure: OnFailure | None = None,
         on_done: OnDone | None = None,
         on_idle: OnIdle | None = None,
+        clock: Clock = time.time_ns,
     ) -> None:
         if window < 1:
             raise ValueError(f"window must be >= 1, got {window}")
@@ -62,15 +101,22 @@ class InOrderExecutor:
         self._on_failure = on_failure
         self._on_done = on_done
         self._on_idle = on_idle or (lambda: None)
+        self._clock = clock
+        # When the outputs of the last program retired were ready: the devices were busy
+        # with it until then, so a program launched earlier could not start before.
+        self._devices_free_ns = 0
         self._window = window
         self._next = first_seq
         self._waiting: dict[int, tuple[Op, Future[OpResult]]] = {}
-        self._in_flight: deque[tuple[Op, Pending, Future[OpResult], int]] = deque()
+        self._in_flight: deque[_Flight] = deque()
+        self._to_watch: queue.SimpleQueue[_Flight | None] = queue.SimpleQueue()
         self._cond = threading.Condition()
         self._stopped = False
         self._max_in_flight = 0
         self._thread = threading.Thread(target=self._loop, name="in-order-executor", daemon=True)
+        self._watcher = threading.Thread(target=self._watch, name="executor-watcher", daemon=True)
         self._thread.start()
+        self._watcher.start()
 
     @property
     def next_seq(self) -> int:
@@ -119,6 +165,7 @@ class InOrderExecutor:
             self._stopped = True
             self._cond.notify_all()
         self._thread.join(timeout=10)
+        self._to_watch.put(None)  # after what it is waiting for, if that ever ends
 
     def _loop(self) -> None:
         while True:
@@ -140,49 +187,72 @@ class InOrderExecutor:
                 self._launch(*ready)
 
     def _launch(self, op: Op, fut: Future[OpResult]) -> None:
-        started = time.time_ns()
+        launched = self._clock()
         try:
             pending = self._apply(op)
         except Exception as exc:  # noqa: BLE001 - reported to the controller, not raised
-            self._finish(op, fut, started, exc)
+            self._finish(op, fut, launched, launched, self._clock(), exc)
             return
-        if pending is None:
-            self._finish(op, fut, started, None)
+        if pending is None:  # done on this thread: it ran from launch to now
+            self._finish(op, fut, launched, launched, self._clock(), None)
         else:
-            self._in_flight.append((op, pending, fut, started))
+            flight = _Flight(op, pending, fut, launched)
+            self._in_flight.append(flight)
+            self._to_watch.put(flight)
             self._max_in_flight = max(self._max_in_flight, len(self._in_flight))
 
+    def _watch(self) -> None:
+        """The watcher thread: waits for each launched program in turn (in launch order,
+        the order they run in) and notes when its outputs were ready."""
+        while (flight := self._to_watch.get()) is not None:
+            try:
+                flight.values = flight.pending.wait()
+            except Exception as exc:  # noqa: BLE001 - reported to the controller, not raised
+                flight.error = exc
+            flight.ready_ns = self._clock()
+            flight.done.set()
+
     def _retire_oldest(self) -> None:
+        """Waits until the watcher is done with the oldest program in flight, and reports
+        when that program ran (see `_Flight`)."""
         if not self._in_flight:
             return
-        op, pending, fut, started = self._in_flight.popleft()
-        try:
-            values = pending.wait()
-        except Exception as exc:  # noqa: BLE001
-            self._finish(op, fut, started, exc)
-            return
-        self._finish(op, fut, started, None, values)
+        flight = self._in_flight.popleft()
+        flight.done.wait()
+        started = max(flight.launched_ns, self._devices_free_ns)
+        self._devices_free_ns = flight.ready_ns
+        self._finish(
+            flight.op,
+            flight.fut,
+            flight.launched_ns,
+            started,
+            flight.ready_ns,
+            flight.error,
+            flight.values,
+        )
 
     def _finish(
         self,
         op: Op,
         fut: Future[OpResult],
+        launched_ns: int,
         started_ns: int,
+        finished_ns: int,
         exc: BaseException | None,
         values: Any = None,
     ) -> None:
         message = None if exc is None else f"{type(exc).__name__}: {exc}"
         if message is not None and self._on_failure is not None:
             self._on_failure(op, message)
-        result = OpResult(op.seq, message, values)
+        result = OpResult(op.seq, message, values, started_ns, finished_ns)
         if self._on_done is not None:
-            self._on_done(op, started_ns, time.time_ns(), result)
+            self._on_done(op, launched_ns, finished_ns, result)
         fut.set_result(result)
 
     def _fail_all(self, reason: str) -> None:
         for op, fut in self._waiting.values():
             fut.set_result(OpResult(op.seq, reason))
         self._waiting.clear()
-        for op, _, fut, _ in self._in_flight:
-            fut.set_result(OpResult(op.seq, reason))
+        for flight in self._in_flight:
+            flight.fut.set_result(OpResult(flight.op.seq, reason))
         self._in_flight.clear()

@@ -83,8 +83,22 @@ Op = PutOp | LoadOp | ExecOp | DeleteOp | PinOp | BatchOp
 @dataclass(frozen=True)
 class OpResult:
     """What became of one op on one worker: `error` is None when it succeeded; `values`
-    are the reported outputs' values (see ExecOp.report), if any."""
+    are the reported outputs' values (see ExecOp.report), if any.
+
+    `started_ns` and `finished_ns` are when the worker's execution of the op began and
+    ended, in the worker's wall clock (0 when it never ran). For a program that is the
+    time it had the host's devices to itself: from its launch, or from when the program
+    before it finished if that was later, to when its outputs were ready (see
+    worker/executor.py). Completions travel in batches, so when one reaches the
+    controller says nothing about when the op ran: these say it."""
 
     seq: int
     error: str | None = None
     values: tuple[Any, ...] | None = None
+    started_ns: int = 0
+    finished_ns: int = 0
+
+    @property
+    def seconds(self) -> float:
+        """How long the op ran on the worker (0.0 when it never ran)."""
+        return (self.finished_ns - self.started_ns) / 1e9

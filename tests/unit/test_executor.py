@@ -1,11 +1,11 @@
 """InOrderExecutor: strict sequence order, a bounded in-flight window, failures reported per op."""
 
 import threading
-import time
 
 import pytest
 
 from slicewise.common.ops import DeleteOp, ExecOp
+from slicewise.testing import wait_until
 from worker.executor import InOrderExecutor, SequenceError
 
 TIMEOUT = 5.0  # the longest any test waits for something that should happen
@@ -193,9 +193,7 @@ def test_on_idle_runs_before_every_wait_and_after_each_run_of_completions(start)
     device.open_all()
     first.result(timeout=TIMEOUT)
     second.result(timeout=TIMEOUT)
-    deadline = time.monotonic() + TIMEOUT
-    while events[-1] != "idle" and time.monotonic() < deadline:
-        time.sleep(0.001)
+    wait_until(lambda: events[-1] == "idle", timeout_s=TIMEOUT, what="the last idle call")
     # Every completion is followed by an idle call before the executor waits again, so
     # nothing reported sits unsent while the executor sleeps.
     completions = [i for i, e in enumerate(events) if e != "idle"]
@@ -235,3 +233,145 @@ def test_stop_fails_queued_ops_and_refuses_new_ones():
     assert device.launched == []
     with pytest.raises(RuntimeError, match="stopped"):
         executor.submit([op(1)])
+
+
+MS = 1_000_000  # nanoseconds
+
+
+class Clock:
+    """The executor's clock, in nanoseconds; the fake device below moves it. `reads` are
+    the times it told."""
+
+    def __init__(self):
+        self.now = 0
+        self.reads = []
+
+    def __call__(self):
+        self.reads.append(self.now)
+        return self.now
+
+
+class Timed:
+    """A Pending whose device work is done at `ready_ms` on the test's clock, once the
+    test opens its gate (so that the clock moves when the test says), or fails then."""
+
+    def __init__(self, clock, ready_ms, error=None):
+        self.clock, self.ready_ms, self.error = clock, ready_ms, error
+        self.gate = threading.Event()
+
+    def wait(self):
+        if not self.gate.wait(TIMEOUT):
+            raise TimeoutError("gate never opened")
+        self.clock.now = max(self.clock.now, self.ready_ms * MS)
+        if self.error is not None:
+            raise self.error
+
+
+class TimedDevice(FakeDevice):
+    """`apply` for timing tests: op `seq` takes `plan[seq] = (launch_ms, ready_ms)`: its
+    launch costs `launch_ms` of host time, and its device work (None: none, the op is
+    done when `apply` returns) is done at `ready_ms`, or fails then (`wait_errors`)."""
+
+    def __init__(self, clock, plan, *, gated=True, wait_errors=None):
+        super().__init__(gated=gated, wait_errors=wait_errors)
+        self.clock, self.plan = clock, plan
+
+    def __call__(self, operation):
+        launch_ms, ready_ms = self.plan[operation.seq]
+        self.clock.now += launch_ms * MS
+        work = None
+        if ready_ms is not None:
+            work = self.work[operation.seq] = Timed(
+                self.clock, ready_ms, self.wait_errors.get(operation.seq)
+            )
+            if not self.gated:
+                work.gate.set()
+        with self._cond:
+            self.launched.append(operation.seq)
+            self._cond.notify_all()
+        return work
+
+
+def ran_ms(result):
+    return (result.started_ns / MS, result.finished_ns / MS)
+
+
+def test_a_program_runs_from_the_later_of_its_launch_and_the_end_of_the_one_before(start):
+    clock = Clock()
+    launches = {}
+    plan = {
+        1: (1, 100),  # launched at 0, the devices are free: runs 0 -> 100
+        2: (1, 250),  # launched at 1 behind program 1: runs 100 -> 250, not 1 -> 250
+        3: (5, None),  # no device work; applied once 1 retired (window 2): 100 -> 105
+        4: (1, 400),  # launched at 105 behind program 2: runs 250 -> 400
+    }
+    device = TimedDevice(clock, plan)
+    executor = start(
+        device,
+        window=2,
+        clock=clock,
+        on_done=lambda o, launched, f, r: launches.setdefault(o.seq, launched / MS),
+    )
+    futures = executor.submit([op(s) for s in plan])
+    # The device finishes each program only once the executor has launched what it
+    # launches meanwhile: that is when the clock moves to the program's end.
+    device.wait_launched(2)
+    device.open(1)
+    device.wait_launched(4)
+    device.open(2)
+    device.open(4)
+    got = results(futures)
+    assert [ran_ms(r) for r in got] == [(0, 100), (100, 250), (100, 105), (250, 400)]
+    assert [r.seconds for r in got] == [0.1, 0.15, 0.005, 0.15]
+    assert launches == {1: 0, 2: 1, 3: 100, 4: 105}
+
+    # The devices then sit idle until a new program comes: that wait is nobody's time.
+    clock.now = 1000 * MS
+    plan[5] = (1, 1100)
+    device.gated = False
+    (late,) = results(executor.submit([op(5)]))
+    assert ran_ms(late) == (1000, 1100)
+
+
+def test_a_programs_end_is_seen_when_it_happens_even_while_a_launch_blocks(start):
+    """Launching a program can block for about as long as a program runs (XLA:CPU with
+    cross-process collectives): the end of the program before it is still seen on time."""
+    clock = Clock()
+    unblock = threading.Event()
+
+    class BlockingLaunch(TimedDevice):
+        def __call__(self, operation):
+            work = super().__call__(operation)
+            if operation.seq == 2:
+                assert unblock.wait(TIMEOUT)
+            return work
+
+    device = BlockingLaunch(clock, {1: (0, 100), 2: (0, 400)})
+    futures = start(device, clock=clock).submit([op(1), op(2)])
+    device.wait_launched(2)  # and stuck in that launch
+    device.open(1)
+    wait_until(lambda: 100 * MS in clock.reads, timeout_s=TIMEOUT, what="program 1's end")
+    clock.now = 300 * MS  # when the blocked launch returns
+    unblock.set()
+    device.open(2)
+    first, second = results(futures)
+    assert ran_ms(first) == (0, 100)
+    assert ran_ms(second) == (100, 400)
+
+
+def test_a_failed_program_still_reports_when_it_ran(start):
+    clock = Clock()
+    device = TimedDevice(
+        clock, {1: (1, 50)}, gated=False, wait_errors={1: RuntimeError("device lost")}
+    )
+    (failed,) = results(start(device, clock=clock).submit([op(1)]))
+    assert failed.error == "RuntimeError: device lost"
+    assert ran_ms(failed) == (0, 50)
+
+
+def test_ops_that_never_ran_report_no_time():
+    executor = InOrderExecutor(FakeDevice())
+    queued = executor.submit([op(2)])
+    executor.stop()
+    (result,) = results(queued)
+    assert (result.started_ns, result.finished_ns, result.seconds) == (0, 0, 0.0)

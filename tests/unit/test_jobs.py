@@ -1,8 +1,22 @@
-"""The job state machine, job specs and the SQLite journal (pure, no processes)."""
+"""The job state machine, job specs, step records and the SQLite journal (pure, no
+processes)."""
 
+import asyncio
+from types import SimpleNamespace
+
+import numpy as np
 import pytest
+from prometheus_client import REGISTRY
 
-from controller.jobs import InvalidTransitionError, Job, JobRunner, JobSpec, JobState
+from controller.jobs import (
+    InvalidTransitionError,
+    Job,
+    JobRunner,
+    JobSpec,
+    JobState,
+    step_record,
+    step_seconds,
+)
 from controller.journal import Journal, StepRecord
 from slicewise.common.errors import InvalidRequestError, ProgramMismatchError
 from slicewise.common.mesh import GangShape, MeshAxis
@@ -110,3 +124,51 @@ def test_a_restarted_controller_marks_unfinished_jobs_failed(tmp_path):
     assert runner.jobs["j2"].state is JobState.SUCCEEDED
     assert runner.jobs["j1"].last.loss == 5.5
     assert {j["job_id"]: j["state"] for j in journal.jobs()} == {"j1": "failed", "j2": "succeeded"}
+
+
+MS = 1_000_000  # nanoseconds
+
+
+def test_a_steps_time_is_the_longest_any_host_ran_it_each_by_its_own_clock():
+    # Host 1's clock is 5 s ahead of host 0's; only intervals are compared.
+    ran = {0: (1_000 * MS, 1_300 * MS), 1: (6_050 * MS, 6_310 * MS)}
+    assert step_seconds(ran) == pytest.approx(0.3)
+    assert step_seconds({0: (0, 250 * MS)}) == pytest.approx(0.25)
+    with pytest.raises(ValueError, match="no worker reported"):
+        step_seconds({})
+
+
+def test_a_step_record_is_the_reported_metrics_and_the_workers_time():
+    ran = {0: (10_000 * MS, 10_400 * MS), 1: (10_100 * MS, 10_450 * MS)}
+    record = step_record(7, np.array([1.5, 3e-4, 2.25], np.float32), ran, tokens=8192)
+    assert (record.step, record.grad_norm, record.loss) == (7, 1.5, 2.25)
+    assert record.learning_rate == pytest.approx(3e-4)
+    assert record.step_time_s == pytest.approx(0.4)
+    assert record.tokens_per_s == pytest.approx(8192 / 0.4)
+    assert record.wall_time == pytest.approx(10.45)  # when the last host finished
+
+
+def test_the_runner_records_the_workers_step_time_however_late_the_completion_came():
+    journal = Journal(":memory:")
+    runner = JobRunner(controller=None, journal=journal)
+    job = Job("j9", spec())
+    runner.jobs[job.job_id] = job
+    before = REGISTRY.get_sample_value("slicewise_step_seconds_sum") or 0.0
+
+    async def scenario():
+        done = asyncio.get_running_loop().create_future()
+        done.set_result(None)  # the controller may read it any time after the step ran
+        ticket = SimpleNamespace(
+            done=done,
+            values=(np.array([1.0, 1e-3, 4.0], np.float32),),
+            ran={0: (0, 300 * MS), 1: (5 * MS, 290 * MS)},
+        )
+        await runner._record(job, 0, ticket, tokens=600)
+
+    asyncio.run(scenario())
+    (record,) = journal.steps("j9")
+    assert record == job.last
+    assert (record.step_time_s, record.tokens_per_s) == (pytest.approx(0.3), pytest.approx(2000))
+    assert job.step == 1
+    after = REGISTRY.get_sample_value("slicewise_step_seconds_sum")
+    assert after - before == pytest.approx(0.3)

@@ -4,7 +4,7 @@ import io
 
 from rich.console import Console
 
-from controller.jobview import follow, step_line, summary
+from controller.jobview import follow, step_line, step_time, summary
 from controller.status import print_status
 from protos import controller_pb2 as pb
 
@@ -123,3 +123,22 @@ def test_plain_follow_prints_each_step_and_state_change():
     assert step_line("j2", 3, pb.StepMetrics(step=2, loss=1.5)).startswith("j2 step 3/3")
     steps = [pb.StepMetrics(loss=5.0, tokens_per_s=10), pb.StepMetrics(loss=2.0, tokens_per_s=30)]
     assert "loss 5.0000 -> 2.0000" in summary(done, steps)
+
+
+def test_step_times_read_well_from_microseconds_to_seconds():
+    assert [step_time(s) for s in (0.00042, 0.0042, 0.312, 2.5)] == [
+        "0.42 ms",
+        "4.2 ms",
+        "312 ms",
+        "2.50 s",
+    ]
+
+
+def test_summary_throughput_is_tokens_over_time_not_the_mean_of_rates():
+    job = pb.JobInfo(job_id="j3", steps=2, step=2, state=pb.JOB_STATE_SUCCEEDED)
+    # 1,000 tokens per step: one step of 0.1 s and one of 0.9 s make 2,000 tokens a second.
+    steps = [
+        pb.StepMetrics(loss=5.0, step_time_s=0.1, tokens_per_s=10_000),
+        pb.StepMetrics(loss=4.0, step_time_s=0.9, tokens_per_s=1_000 / 0.9),
+    ]
+    assert "2,000 tok/s over the last 2 steps" in summary(job, steps)
