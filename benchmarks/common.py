@@ -63,11 +63,6 @@ def summarize(samples: Sequence[float]) -> dict[str, float]:
     }
 
 
-def repeat(fn: Callable[[], float], times: int) -> dict[str, float]:
-    """Runs `fn` (which returns one measurement) `times` times and summarizes."""
-    return summarize([fn() for _ in range(times)])
-
-
 def write_result(
     name: str,
     result: dict[str, Any],

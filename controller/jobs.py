@@ -3,7 +3,7 @@
 The controller is the single driver of a job's step loop: it allocates the gang, exports
 the program's init and step functions for the gang's mesh, and then for every step
 queues "build your rows of batch s" on every host, the step itself, and the deletion of
-the previous state. It keeps `STEPS_AHEAD` steps queued beyond the last one whose
+the previous state. It keeps `ControllerOptions.steps_ahead` steps queued beyond the last one whose
 metrics it has read, so the workers never wait for a round trip to the controller.
 
 Step times are the workers' own measurements, carried back with each step's completion
@@ -31,7 +31,12 @@ from controller import metrics
 from controller.journal import Journal, StepRecord
 from controller.logs import set_log_context
 from slicewise.common.arrays import ArraySpec
-from slicewise.common.errors import FailedPreconditionError, InvalidRequestError, NotFoundError
+from slicewise.common.errors import (
+    FailedPreconditionError,
+    InvalidRequestError,
+    InvalidTransitionError,
+    NotFoundError,
+)
 from slicewise.common.mesh import GangShape, MeshAxis, MeshSpec, ShardingSpec
 from slicewise.common.topology import slice_type as lookup_slice_type
 
@@ -40,8 +45,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-# Steps queued on the gang beyond the last step whose metrics have been read.
-STEPS_AHEAD = 4
 # Mesh axis names and the parallelism they carry.
 DATA_AXIS, FSDP_AXIS, TENSOR_AXIS = "data", "fsdp", "tensor"
 
@@ -76,10 +79,6 @@ _ALLOWED: dict[JobState, set[JobState]] = {
     JobState.FAILED: set(),
     JobState.CANCELLED: set(),
 }
-
-
-class InvalidTransitionError(RuntimeError):
-    """A state change the job state machine does not allow (a bug, not bad input)."""
 
 
 @dataclass(frozen=True)
@@ -413,7 +412,7 @@ class JobRunner:
             c.delete([*state_handles, *batch, outs[n_state].handle])
             state_handles = [r.handle for r in outs[:n_state]]
             pending.append((step, ticket))
-            while len(pending) > STEPS_AHEAD:
+            while len(pending) > c.options.steps_ahead:
                 await self._record(job, *pending.popleft(), tokens)
         while pending:
             await self._record(job, *pending.popleft(), tokens)
@@ -497,7 +496,7 @@ def _export(
     exported = jax.export.export(packed, platforms=[platform])(fns.layout.state, fns.layout.batch)
     lowered = packed.trace(fns.layout.state, fns.layout.batch).lower(lowering_platforms=(platform,))
     flops = float((lowered.cost_analysis() or {}).get("flops", 0.0))
-    return init.serialize(), exported.serialize(), flops
+    return bytes(init.serialize()), bytes(exported.serialize()), flops
 
 
 def _spec_from_json(data: Mapping[str, Any]) -> JobSpec:

@@ -25,7 +25,7 @@ from controller.logs import set_log_context
 from protos import controller_pb2 as pb
 from protos import controller_pb2_grpc as pb_grpc
 from slicewise import wire
-from slicewise.common.errors import InvalidRequestError, SlicewiseError
+from slicewise.common.errors import FailedPreconditionError, InvalidRequestError, SlicewiseError
 
 log = logging.getLogger(__name__)
 
@@ -380,7 +380,16 @@ class ControllerServicer(pb_grpc.ControllerServicer):
     async def GetTrace(
         self, request: pb.GetTraceRequest, context: Any
     ) -> AsyncIterator[pb.TraceChunk]:
-        trace = await self.controller.trace(request.id)
+        gang_id = request.id
+        job = self.jobs.jobs.get(request.id)
+        if job is not None:  # a job's timeline is its gang's
+            if not job.gang_id:
+                raise FailedPreconditionError(
+                    f"job {job.job_id} has no gang yet ({job.state.name.lower()}); "
+                    "trace it once it runs"
+                )
+            gang_id = job.gang_id
+        trace = await self.controller.trace(gang_id)
         data = json.dumps(trace).encode()
         for piece in wire.chunks(memoryview(data)):
             yield pb.TraceChunk(data=bytes(piece))

@@ -136,9 +136,6 @@ class HostWorker:
         """Where the controller sends and fetches array bytes (see worker/transport.py)."""
         return self.data.address
 
-    def ping(self) -> dict[str, Any]:
-        return {"pid": os.getpid(), "gang": self.gang_id, "process_id": self.process_id}
-
     def free_address(self, host: str) -> str:
         """An address on this host with a free port, for the jax.distributed coordinator."""
         with socket.socket() as s:

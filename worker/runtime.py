@@ -75,7 +75,7 @@ class JaxRuntime:
         """Joins the gang's jax.distributed cluster; blocks until every process has joined."""
         import jax
 
-        if jax.config.jax_platforms in (None, "", "cpu"):
+        if jax.config.jax_platforms in (None, "", "cpu"):  # type: ignore[attr-defined]
             jax.config.update("jax_cpu_collectives_implementation", "gloo")
         started = time.monotonic()
         jax.distributed.initialize(

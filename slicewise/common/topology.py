@@ -48,10 +48,6 @@ SLICE_TYPES: dict[str, SliceType] = {
     )
 }
 
-# v5e: 16 GiB HBM per chip, 197 TFLOP/s bf16 (Cloud TPU v5e documentation).
-HBM_BYTES_PER_CHIP = 16 * 2**30
-PEAK_BF16_FLOPS_PER_CHIP = 197e12
-
 
 def slice_type(name: str) -> SliceType:
     """Looks up a slice type by name (`v5litepod-16`) or by ICI topology (`4x4`).

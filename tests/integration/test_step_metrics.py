@@ -92,7 +92,7 @@ def test_step_times_are_the_workers_own_measurements(controller, client):
 
     # The workers' own timelines, taken apart from the job's records: every host's runs
     # of the step program, in order (the k-th is step k).
-    processes = timelines(client.trace(done.gang_id))
+    processes = timelines(client.trace(done.job_id))  # a job's trace is its gang's
     hosts = {name: t for name, t in processes.items() if name.startswith("host ")}
     assert len(hosts) == 2, list(processes)
     runs = {h: program_runs(t["programs"], "execute lm.step") for h, t in hosts.items()}
