@@ -81,7 +81,7 @@ class _MultiController:
         config = program.make_config(overrides)
         abstract = mesh_spec.abstract()
         axes = ParallelAxes.for_mesh(abstract, data=("data",), fsdp="fsdp")
-        init_art, step_art, _ = _export(
+        init_art, step_art, _, _ = _export(
             make_flat_train_fns, program, config, abstract, axes, gang.platform
         )
         mesh = Mesh(mesh_spec)
@@ -119,7 +119,10 @@ def _controller_driven(
 ) -> tuple[float, float]:
     """Steps per second of a job the controller drives on `gang` (steps after the warm-up),
     and its median step time."""
-    job = client.submit_job("lm", steps=warm + n, overrides=overrides, gang=gang)
+    # No checkpoints: the multi-controller baseline saves none either.
+    job = client.submit_job(
+        "lm", steps=warm + n, overrides=overrides, gang=gang, checkpoint_every=0
+    )
     deadline = time.monotonic() + 1800
     while client.job(job.job_id).state not in (6, 7, 8):  # succeeded, failed, cancelled
         if time.monotonic() > deadline:

@@ -129,6 +129,8 @@ def _train(args: argparse.Namespace) -> int:
                 overrides=overrides,
                 dcn=dcn,
                 ici=ici,
+                checkpoint_every=args.checkpoint_every,
+                checkpoint_dir=args.checkpoint_dir,
             )
         except SlicewiseError as exc:
             print(f"slicewise train: {exc}", file=sys.stderr)
@@ -328,6 +330,20 @@ def build_parser() -> argparse.ArgumentParser:
         default=[],
         metavar="AXIS=N",
         help="mesh axes inside a slice, e.g. fsdp=2,tensor=2 (default: fsdp=chips)",
+    )
+    p.add_argument(
+        "--checkpoint-dir",
+        default="",
+        metavar="DIR",
+        help="where checkpoints go (default: <controller state dir>/checkpoints/JOB); if it "
+        "holds committed steps, the job resumes from the newest",
+    )
+    p.add_argument(
+        "--checkpoint-every",
+        type=int,
+        default=None,
+        metavar="N",
+        help="save a checkpoint every N steps and after the last (default 50; 0: never)",
     )
     p.add_argument("--detach", action="store_true", help="print the job id and return at once")
     p.add_argument("--plain", action="store_true", help="one line per step, no progress bar")

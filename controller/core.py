@@ -40,7 +40,17 @@ from slicewise.common.errors import (
 )
 from slicewise.common.framing import TransportError
 from slicewise.common.mesh import MeshSpec, ShardingSpec
-from slicewise.common.ops import BatchOp, DeleteOp, ExecOp, LoadOp, PinOp, PutOp
+from slicewise.common.ops import (
+    BatchOp,
+    CloseCheckpointsOp,
+    DeleteOp,
+    ExecOp,
+    LoadOp,
+    PinOp,
+    PutOp,
+    RestoreOp,
+    SaveOp,
+)
 from slicewise.common.trace import Span, SpanRecorder, chrome_trace
 from slicewise.common.trace import now_us as trace_now_us
 
@@ -399,6 +409,80 @@ class Controller:
 
         ticket.done.add_done_callback(settle)
         return list(handles)
+
+    # -- checkpoints ----------------------------------------------------------------
+
+    def save_checkpoint(
+        self,
+        gang_id: str,
+        handles: Sequence[str],
+        directory: str,
+        step: int,
+        meta: str,
+        barrier_prefix: str = "",
+    ) -> Ticket:
+        """Queues an asynchronous checkpoint of arrays at `step` (see SaveOp): the ticket
+        is done when the workers have copied them out, not when the step is committed
+        (that is a marker in storage, see controller/checkpoints.py)."""
+        gang, client = self.manager.resolve(gang_id)
+        records = [self.arrays.get(h) for h in handles]
+        return self._submit(
+            gang,
+            client,
+            lambda seq: SaveOp(seq, directory, step, tuple(handles), meta, barrier_prefix),
+            needs=records,
+        )
+
+    def restore_checkpoint(
+        self,
+        gang_id: str,
+        directory: str,
+        step: int,
+        specs: Sequence[ArraySpec],
+        shardings: Sequence[ShardingSpec],
+        expect: Sequence[tuple[str, Any]] = (),
+        barrier_prefix: str = "",
+    ) -> tuple[Ticket, list[ArrayRecord]]:
+        """Queues the reading of committed checkpoint `step` into new arrays of these
+        shapes and shardings (see RestoreOp); returns them, pending."""
+        gang, client = self.manager.resolve(gang_id)
+        records = [
+            self.arrays.new(gang.gang_id, spec, sharding)
+            for spec, sharding in zip(specs, shardings, strict=True)
+        ]
+        ticket = self._submit(
+            gang,
+            client,
+            _marking(
+                records,
+                lambda seq: RestoreOp(
+                    seq,
+                    directory,
+                    step,
+                    tuple(r.handle for r in records),
+                    tuple(s.shape for s in specs),
+                    tuple(s.dtype for s in specs),
+                    tuple(shardings),
+                    tuple(expect),
+                    barrier_prefix,
+                ),
+            ),
+        )
+
+        def settle(done: asyncio.Future[str | None]) -> None:
+            for r in records:
+                r.settle(done.result())
+
+        ticket.done.add_done_callback(settle)
+        return ticket, records
+
+    def close_checkpoints(self, gang_id: str, directory: str, barrier_prefix: str = "") -> Ticket:
+        """Queues "wait for the save in flight to commit, then let go of the directory";
+        the ticket's error is the failed save's, if one failed."""
+        gang, client = self.manager.resolve(gang_id)
+        return self._submit(
+            gang, client, lambda seq: CloseCheckpointsOp(seq, directory, barrier_prefix)
+        )
 
     async def fetch(self, handle: str, timeout_s: float = 0) -> tuple[ArrayRecord, np.ndarray]:
         """Waits for an array and gathers its pieces from every worker."""

@@ -6,6 +6,16 @@ queues "build your rows of batch s" on every host, the step itself, and the dele
 the previous state. It keeps `ControllerOptions.steps_ahead` steps queued beyond the last one whose
 metrics it has read, so the workers never wait for a round trip to the controller.
 
+Checkpoints: after every `checkpoint_every`-th step (and the last) the loop queues a
+save of the new state, in order with the steps and without waiting for it; the workers
+copy the state out and commit it in the background while training goes on. A step
+counts as committed only once its commit marker is in storage: the loop looks for it
+whenever it records a step's metrics, and journals the newest committed step. A job
+that starts where committed steps exist (its own, or those of an earlier job given the
+same directory) restores the newest instead of initialising, and continues after it:
+the batch of a step is a function of (seed, step), so it sees the batches it would have
+seen (see controller/checkpoints.py).
+
 Step times are the workers' own measurements, carried back with each step's completion
 (`step_seconds`): completions travel in batches, so when they reach the controller says
 nothing about how long a step took.
@@ -17,17 +27,21 @@ every change is journalled and published to whoever watches the job.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import enum
+import json
 import logging
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from controller import metrics
+from controller.checkpoints import committed_steps, is_committed, resume_step, save_steps
 from controller.journal import Journal, StepRecord
 from controller.logs import set_log_context
 from slicewise.common.arrays import ArraySpec
@@ -44,6 +58,9 @@ if TYPE_CHECKING:
     from controller.core import Controller
 
 log = logging.getLogger(__name__)
+
+# Checkpoint every this many steps unless the submitter says otherwise (0: never).
+DEFAULT_CHECKPOINT_EVERY = 50
 
 # Mesh axis names and the parallelism they carry.
 DATA_AXIS, FSDP_AXIS, TENSOR_AXIS = "data", "fsdp", "tensor"
@@ -95,8 +112,25 @@ class JobSpec:
     client: str = ""
     # A gang the submitter holds, to run on instead of allocating one (kept afterwards).
     gang_id: str = ""
+    # Save a checkpoint after every this many steps and after the last (0: never).
+    checkpoint_every: int = DEFAULT_CHECKPOINT_EVERY
+    # Where (a directory or bucket path); "" until the runner picks the default.
+    checkpoint_dir: str = ""
 
     def __post_init__(self) -> None:
+        if self.checkpoint_every < 0:
+            raise InvalidRequestError(
+                f"checkpoint_every must be >= 0 (0 turns checkpoints off), got "
+                f"{self.checkpoint_every}"
+            )
+        if self.checkpoint_dir and not (
+            "://" in self.checkpoint_dir or Path(self.checkpoint_dir).is_absolute()
+        ):
+            raise InvalidRequestError(
+                f"checkpoint_dir {self.checkpoint_dir!r} is relative; give an absolute path "
+                "(the controller and the workers do not share your working directory) or a "
+                "bucket URL"
+            )
         if self.steps < 1:
             raise InvalidRequestError(f"steps must be at least 1, got {self.steps}")
         if self.num_slices < 1:
@@ -129,6 +163,8 @@ class JobSpec:
             "mesh": [list(a) for a in self.mesh],
             "client": self.client,
             "gang_id": self.gang_id,
+            "checkpoint_every": self.checkpoint_every,
+            "checkpoint_dir": self.checkpoint_dir,
         }
 
 
@@ -149,6 +185,10 @@ class Job:
     updated_at: float = field(default_factory=time.time)
     recent: deque[StepRecord] = field(default_factory=lambda: deque(maxlen=200))
     cancel_requested: bool = False
+    # The newest checkpoint step known committed in storage (None: none yet).
+    committed_step: int | None = None
+    # Checkpoint saves queued, oldest first, whose commit has not been seen yet.
+    saving: deque[tuple[int, Any]] = field(default_factory=deque)
     watchers: set[asyncio.Queue[dict[str, Any]]] = field(default_factory=set)
     task: asyncio.Task[None] | None = None
 
@@ -183,9 +223,14 @@ class Job:
 class JobRunner:
     """Accepts jobs, drives their step loops on gangs, keeps and publishes their progress."""
 
-    def __init__(self, controller: Controller, journal: Journal) -> None:
+    def __init__(
+        self, controller: Controller, journal: Journal, state_dir: str | Path | None = None
+    ) -> None:
         self.controller = controller
         self.journal = journal
+        # A job's checkpoints go to <state dir>/checkpoints/<job id> unless it names a
+        # directory.
+        self.checkpoint_root = Path(state_dir or Path(journal.path).parent) / "checkpoints"
         self.jobs: dict[str, Job] = {}
         self._next = journal.next_job_number()
         for record in journal.jobs():  # jobs of an earlier run of this controller
@@ -201,6 +246,7 @@ class JobRunner:
                 record["flops_per_step"],
                 created_at=record["created_at"],
                 updated_at=record["updated_at"],
+                committed_step=record["committed_step"],
             )
             job.recent.extend(journal.steps(job.job_id, since=max(0, job.step - 200)))
             if not job.state.terminal:
@@ -219,7 +265,10 @@ class JobRunner:
         lookup_slice_type(spec.slice_type)
         if spec.gang_id:
             self._check_gang_free(spec.gang_id)
-        job = Job(f"j{self._next}", spec)
+        job_id = f"j{self._next}"
+        if not spec.checkpoint_dir:
+            spec = dataclasses.replace(spec, checkpoint_dir=str(self.checkpoint_root / job_id))
+        job = Job(job_id, spec)
         self._next += 1
         self.jobs[job.job_id] = job
         self.journal.add_job(
@@ -369,7 +418,7 @@ class JobRunner:
             fsdp=FSDP_AXIS if FSDP_AXIS in names else None,
             tensor=TENSOR_AXIS if TENSOR_AXIS in names else None,
         )
-        init_art, step_art, flops = await asyncio.to_thread(
+        init_art, step_art, flops, state_specs = await asyncio.to_thread(
             _export, make_flat_train_fns, program, config, abstract, axes, gang.platform
         )
         job.flops_per_step = flops
@@ -387,14 +436,50 @@ class JobRunner:
             ArraySpec.of(batch_spec[k].shape, batch_spec[k].dtype) for k in sorted(batch_spec)
         ]
         overrides = tuple(sorted(spec.overrides))
-        key = np.asarray(jax.random.PRNGKey(program.seed(config)))
-        key_record = await c.put_array(gang.gang_id, key, ShardingSpec(mesh, ()))
-        _, state = c.execute(gang.gang_id, init.program_id, [key_record.handle])
-        c.delete([key_record.handle])
+        # The data position: the batch of a step is a function of these and the step.
+        position = {
+            "program": spec.program,
+            "seed": program.seed(config),
+            "global_batch_size": fields[0].shape[0],
+        }
+        directory, prefix = spec.checkpoint_dir, f"{job.job_id}.{job.epoch}"
+        job.saving.clear()  # saves of an earlier start are no concern of this one
+        start = await asyncio.to_thread(
+            lambda: resume_step(committed_steps(directory), job.committed_step, spec.steps)
+        )
+        if start is None:
+            key = np.asarray(jax.random.PRNGKey(program.seed(config)))
+            key_record = await c.put_array(gang.gang_id, key, ShardingSpec(mesh, ()))
+            _, state = c.execute(gang.gang_id, init.program_id, [key_record.handle])
+            c.delete([key_record.handle])
+            begun = "initialised"
+        else:
+            shardings = [ShardingSpec.from_partition_spec(mesh, p) for p in state_specs]
+            restored, state = c.restore_checkpoint(
+                gang.gang_id,
+                directory,
+                start,
+                init.outputs,
+                shardings,
+                expect=(*position.items(), ("step", start)),
+                barrier_prefix=prefix,
+            )
+            error = await restored.done
+            if error:
+                raise FailedPreconditionError(f"restoring checkpoint step {start} failed: {error}")
+            job.step = start
+            self.journal.update_job(job.job_id, time.time(), step=start)
+            self._committed(job, start, announce=False)  # the RUNNING message says it
+            begun = f"restored step {start} from {directory}"
         state_handles = [r.handle for r in state]
         tokens = program.tokens_per_step(config)
-        self._move(job, JobState.RUNNING, f"mesh {mesh.describe()}, {flops / 1e9:.2f} GFLOP/step")
+        self._move(
+            job,
+            JobState.RUNNING,
+            f"mesh {mesh.describe()}, {flops / 1e9:.2f} GFLOP/step, {begun}",
+        )
 
+        saves = set(save_steps(job.step, spec.steps, spec.checkpoint_every))
         pending: deque[tuple[int, Any]] = deque()
         metrics_index = len(step_program.outputs) - 1
         for step in range(job.step, spec.steps):
@@ -411,11 +496,23 @@ class JobRunner:
             )
             c.delete([*state_handles, *batch, outs[n_state].handle])
             state_handles = [r.handle for r in outs[:n_state]]
+            if step + 1 in saves:
+                meta = json.dumps(position | {"step": step + 1})
+                saved = c.save_checkpoint(
+                    gang.gang_id, state_handles, directory, step + 1, meta, prefix
+                )
+                job.saving.append((step + 1, saved))
             pending.append((step, ticket))
             while len(pending) > c.options.steps_ahead:
                 await self._record(job, *pending.popleft(), tokens)
         while pending:
             await self._record(job, *pending.popleft(), tokens)
+        if saves or start is not None:
+            closed = c.close_checkpoints(gang.gang_id, directory, prefix)
+            error = await closed.done
+            if error:
+                raise FailedPreconditionError(f"the last checkpoint did not commit: {error}")
+            await self._check_commits(job)
         c.delete(state_handles)
 
     async def _record(self, job: Job, step: int, ticket: Any, tokens: int) -> None:
@@ -430,6 +527,32 @@ class JobRunner:
         metrics.STEPS.inc()
         metrics.STEP_SECONDS.observe(measured.step_time_s)
         self._publish(job, [measured])
+        await self._check_commits(job)
+
+    async def _check_commits(self, job: Job) -> None:
+        """Journals the saves whose commit marker is now in storage. Saves commit in the
+        order they were queued (a worker's save waits for the one before), so this stops
+        at the first that has not.
+
+        Raises:
+            FailedPreconditionError: a save failed on the workers.
+        """
+        while job.saving and job.saving[0][1].done.done():
+            step, ticket = job.saving[0]
+            error = ticket.done.result()
+            if error:
+                raise FailedPreconditionError(f"checkpoint of step {step} failed: {error}")
+            if not await asyncio.to_thread(is_committed, job.spec.checkpoint_dir, step):
+                return
+            job.saving.popleft()
+            self._committed(job, step)
+
+    def _committed(self, job: Job, step: int, *, announce: bool = True) -> None:
+        job.committed_step = step
+        self.journal.update_job(job.job_id, time.time(), committed_step=step)
+        if announce:
+            log.info("job %s: checkpoint step %d committed", job.job_id, step)
+            self._publish(job, message=f"checkpoint step {step} committed")
 
 
 def step_seconds(ran: Mapping[int, tuple[int, int]]) -> float:
@@ -472,10 +595,11 @@ def step_record(
 
 def _export(
     make_fns: Any, program: Any, config: Any, abstract: Any, axes: Any, platform: str
-) -> tuple[bytes, bytes, float]:
+) -> tuple[bytes, bytes, float, list[Any]]:
     """Exports the flat init and a step that returns its metrics as one vector
     [grad_norm, learning_rate, loss] (one fetch per step instead of three); also the
-    step's FLOPs from XLA's cost analysis of the lowered program."""
+    step's FLOPs from XLA's cost analysis of the lowered program, and the
+    `PartitionSpec` of every state leaf (what a checkpoint is restored onto)."""
     import jax
     import jax.numpy as jnp
 
@@ -496,7 +620,8 @@ def _export(
     exported = jax.export.export(packed, platforms=[platform])(fns.layout.state, fns.layout.batch)
     lowered = packed.trace(fns.layout.state, fns.layout.batch).lower(lowering_platforms=(platform,))
     flops = float((lowered.cost_analysis() or {}).get("flops", 0.0))
-    return bytes(init.serialize()), bytes(exported.serialize()), flops
+    state_specs = [tuple(s.sharding.spec) for s in fns.layout.state]
+    return bytes(init.serialize()), bytes(exported.serialize()), flops, state_specs
 
 
 def _spec_from_json(data: Mapping[str, Any]) -> JobSpec:
@@ -509,4 +634,7 @@ def _spec_from_json(data: Mapping[str, Any]) -> JobSpec:
         tuple(tuple(a) for a in data["mesh"]),
         data.get("client", ""),
         data.get("gang_id", ""),
+        # Jobs journalled before checkpoints existed never saved any.
+        data.get("checkpoint_every", 0),
+        data.get("checkpoint_dir", ""),
     )

@@ -112,15 +112,40 @@ def summary(job: pb.JobInfo, steps: list[pb.StepMetrics]) -> str:
         )
     if job.flops_per_step:
         text += f"; {job.flops_per_step / 1e9:.2f} GFLOP/step"
+    text += f"; {checkpoint(job)}"
     if job.error:
         text += f"; error: {job.error}"
+    return text
+
+
+def checkpoint(job: pb.JobInfo) -> str:
+    """The job's checkpoints in a few words: the last committed step, and where."""
+    if job.HasField("committed_step"):
+        text = f"last committed checkpoint: step {job.committed_step}"
+    else:
+        text = "no committed checkpoint"
+    if job.checkpoint_every:
+        text += f" (every {job.checkpoint_every} steps, in {job.checkpoint_dir})"
+    elif job.checkpoint_dir:
+        text += f" (checkpoints off; directory {job.checkpoint_dir})"
     return text
 
 
 def print_jobs(jobs: list[pb.JobInfo], console: Console | None = None) -> None:
     console = console or Console(width=None if sys.stdout.isatty() else 140)
     table = Table(title="Jobs")
-    for col in ("job", "program", "state", "step", "loss", "step time", "tok/s", "gang", "slices"):
+    for col in (
+        "job",
+        "program",
+        "state",
+        "step",
+        "committed",
+        "loss",
+        "step time",
+        "tok/s",
+        "gang",
+        "slices",
+    ):
         table.add_column(col)
     for j in jobs:
         last = j.last if j.HasField("last") else None
@@ -129,6 +154,7 @@ def print_jobs(jobs: list[pb.JobInfo], console: Console | None = None) -> None:
             j.program,
             state_name(j.state),
             f"{j.step}/{j.steps}",
+            str(j.committed_step) if j.HasField("committed_step") else "-",
             f"{last.loss:.4f}" if last else "-",
             step_time(last.step_time_s) if last else "-",
             f"{last.tokens_per_s:,.0f}" if last else "-",

@@ -1,5 +1,6 @@
-"""The controller's journal: jobs and their per-step metrics in SQLite, so that what a
-job did is still there after it ended (and, later, after the controller restarts)."""
+"""The controller's journal: jobs, their per-step metrics and their newest committed
+checkpoint step in SQLite, so that what a job did is still there after it ended (and,
+later, after the controller restarts)."""
 
 from __future__ import annotations
 
@@ -15,13 +16,15 @@ _SCHEMA = """
 CREATE TABLE IF NOT EXISTS jobs (
     job_id TEXT PRIMARY KEY,
     seq INTEGER NOT NULL,
-    spec TEXT NOT NULL,          -- JSON: program, overrides, slices, mesh, steps, client
+    spec TEXT NOT NULL,          -- JSON: program, overrides, slices, mesh, steps, client,
+                                 -- checkpoint directory and interval
     state TEXT NOT NULL,
     step INTEGER NOT NULL DEFAULT 0,
     gang_id TEXT NOT NULL DEFAULT '',
     error TEXT NOT NULL DEFAULT '',
     epoch INTEGER NOT NULL DEFAULT 0,
     flops_per_step REAL NOT NULL DEFAULT 0,
+    committed_step INTEGER,      -- the newest checkpoint step known committed; NULL: none
     created_at REAL NOT NULL,
     updated_at REAL NOT NULL
 );
@@ -33,6 +36,11 @@ CREATE TABLE IF NOT EXISTS step_metrics (
     PRIMARY KEY (job_id, step)
 );
 """
+
+
+# Columns added to `jobs` after its first release, with their SQL types: a journal
+# written before them gets them when it is opened.
+_ADDED_JOB_COLUMNS = {"committed_step": "INTEGER"}
 
 
 @dataclass(frozen=True)
@@ -64,6 +72,10 @@ class Journal:
             self._db.execute("PRAGMA journal_mode=WAL")
             self._db.execute("PRAGMA synchronous=NORMAL")
             self._db.executescript(_SCHEMA)
+            have = {row[1] for row in self._db.execute("PRAGMA table_info(jobs)")}
+            for name, kind in _ADDED_JOB_COLUMNS.items():
+                if name not in have:
+                    self._db.execute(f"ALTER TABLE jobs ADD COLUMN {name} {kind}")
 
     def close(self) -> None:
         with self._lock:
@@ -83,7 +95,7 @@ class Journal:
             )
 
     def update_job(self, job_id: str, now: float, **fields: Any) -> None:
-        allowed = {"state", "step", "gang_id", "error", "epoch", "flops_per_step"}
+        allowed = {"state", "step", "gang_id", "error", "epoch", "flops_per_step", "committed_step"}
         unknown = set(fields) - allowed
         if unknown:
             raise ValueError(f"unknown job fields {sorted(unknown)}")

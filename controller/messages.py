@@ -58,7 +58,11 @@ def job_to_pb(job: Job) -> pb.JobInfo:
         created_at=job.created_at,
         updated_at=job.updated_at,
         flops_per_step=job.flops_per_step,
+        checkpoint_every=spec.checkpoint_every,
+        checkpoint_dir=spec.checkpoint_dir,
     )
+    if job.committed_step is not None:
+        info.committed_step = job.committed_step
     if job.mesh is not None:
         info.mesh.CopyFrom(mesh_to_pb(job.mesh))
     if job.last is not None:

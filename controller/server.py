@@ -33,7 +33,8 @@ class ServerConfig:
     # Stop when standard input reaches its end: a parent that started the controller on a
     # pipe (tests, scripts) takes it down by exiting, even when killed outright.
     stop_on_stdin_eof: bool = False
-    # Where the journal (jobs, their metrics) lives; None: a fresh temporary directory
+    # Where the journal (jobs, their metrics) and, by default, the jobs' checkpoints
+    # (<state dir>/checkpoints/<job id>) live; None: a fresh temporary directory
     # with --sim (the simulation dies with the controller), ~/.local/state otherwise.
     state_dir: str | None = None
 
@@ -133,7 +134,7 @@ async def _serve(
     )
     await controller.start()
     journal = Journal(Path(state_dir) / "journal.sqlite")
-    jobs = JobRunner(controller, journal)
+    jobs = JobRunner(controller, journal, state_dir)
     server = grpc.aio.server()
     pb_grpc.add_ControllerServicer_to_server(
         ControllerServicer(

@@ -20,7 +20,7 @@ import numpy as np
 from controller import messages, metrics
 from controller.core import VERSION, Controller
 from controller.gang import Gang, worker_name
-from controller.jobs import JobRunner, JobSpec
+from controller.jobs import DEFAULT_CHECKPOINT_EVERY, JobRunner, JobSpec
 from controller.logs import set_log_context
 from protos import controller_pb2 as pb
 from protos import controller_pb2_grpc as pb_grpc
@@ -411,6 +411,12 @@ class ControllerServicer(pb_grpc.ControllerServicer):
             mesh=tuple((a.name, a.dcn, a.ici) for a in request.mesh.axes),
             client=request.client or (context.peer() or ""),
             gang_id=request.gang_id,
+            checkpoint_every=(
+                request.checkpoint_every
+                if request.HasField("checkpoint_every")
+                else DEFAULT_CHECKPOINT_EVERY
+            ),
+            checkpoint_dir=request.checkpoint_dir,
         )
         return messages.job_to_pb(self.jobs.submit(spec))
 

@@ -15,6 +15,7 @@ Errors from the controller arrive as the exception classes of `slicewise.common.
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, NamedTuple
 
@@ -114,10 +115,17 @@ class Client:
         dcn: Mapping[str, int] | None = None,
         ici: Mapping[str, int] | None = None,
         gang: Gang | None = None,
+        checkpoint_every: int | None = None,
+        checkpoint_dir: str = "",
     ) -> pb.JobInfo:
         """Submits a training job of an installed program; returns at once (it queues).
         It runs on `slices` slices of `slice_type` allocated for it, or on `gang`, one
-        this client holds (which stays held when the job ends)."""
+        this client holds (which stays held when the job ends).
+
+        It saves a checkpoint after every `checkpoint_every` steps (None: the
+        controller's default, 50; 0: never) and after the last, into `checkpoint_dir`
+        ("": a directory of its own under the controller's state directory). A job
+        whose directory already holds committed steps resumes after the newest."""
         request = pb.SubmitJobRequest(
             program=program,
             num_slices=slices,
@@ -126,6 +134,12 @@ class Client:
             overrides={k: str(v) for k, v in (overrides or {}).items()},
             client=self.name,
             gang_id=gang.id if gang is not None else "",
+            checkpoint_every=checkpoint_every,
+            checkpoint_dir=(
+                checkpoint_dir
+                if not checkpoint_dir or "://" in checkpoint_dir
+                else os.path.abspath(checkpoint_dir)
+            ),
         )
         if dcn or ici:
             request.mesh.CopyFrom(wire.mesh_to_pb(MeshSpec.build(dcn, ici)))

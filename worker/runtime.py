@@ -11,6 +11,7 @@ from typing import Any
 
 import numpy as np
 
+from slicewise.common.arrays import dtype_of
 from slicewise.common.mesh import (
     GangShape,
     Index,
@@ -19,7 +20,18 @@ from slicewise.common.mesh import (
     index_key,
     normalize_index,
 )
-from slicewise.common.ops import BatchOp, DeleteOp, ExecOp, LoadOp, Op, PinOp, PutOp
+from slicewise.common.ops import (
+    BatchOp,
+    CloseCheckpointsOp,
+    DeleteOp,
+    ExecOp,
+    LoadOp,
+    Op,
+    PinOp,
+    PutOp,
+    RestoreOp,
+    SaveOp,
+)
 from worker.buffers import BufferTable
 
 log = logging.getLogger(__name__)
@@ -66,6 +78,9 @@ class JaxRuntime:
         self._staged_lock = threading.Lock()
         self._configs: dict[tuple[str, tuple[tuple[str, str], ...]], Any] = {}
         self._devices: list[Any] = []
+        # Open checkpoint directories, by (directory, barrier prefix); created by the
+        # first checkpoint operation on them (jax.distributed is up by then).
+        self._checkpointers: dict[tuple[str, str], Any] = {}
 
     # -- formation -----------------------------------------------------------------
 
@@ -139,6 +154,12 @@ class JaxRuntime:
             self._pins[op.pin_id] = self.buffers.get(op.handle)
         elif isinstance(op, BatchOp):
             self._batch(op)
+        elif isinstance(op, SaveOp):
+            self._save(op)
+        elif isinstance(op, RestoreOp):
+            self._restore(op)
+        elif isinstance(op, CloseCheckpointsOp):
+            self._close_checkpointer(op)
         else:
             raise TypeError(f"unknown operation {op!r}")
         return None
@@ -159,6 +180,12 @@ class JaxRuntime:
             return "pin", {"handle": op.handle}
         if isinstance(op, BatchOp):
             return f"batch {op.program} step {op.step}", {"step": op.step}
+        if isinstance(op, SaveOp):
+            return f"save step {op.step}", {"step": op.step, "directory": op.directory}
+        if isinstance(op, RestoreOp):
+            return f"restore step {op.step}", {"step": op.step, "directory": op.directory}
+        if isinstance(op, CloseCheckpointsOp):
+            return "close checkpoints", {"directory": op.directory}
         return type(op).__name__.removesuffix("Op").lower(), {}
 
     def on_failure(self, op: Op, error: str) -> None:
@@ -169,6 +196,8 @@ class JaxRuntime:
             self.buffers.fail((op.handle,), f"upload failed: {error}")
         elif isinstance(op, BatchOp):
             self.buffers.fail(op.handles, f"building the batch of step {op.step} failed: {error}")
+        elif isinstance(op, RestoreOp):
+            self.buffers.fail(op.handles, f"restoring checkpoint step {op.step} failed: {error}")
 
     def _batch(self, op: BatchOp) -> None:
         arrays = self.build_batch(op.program, op.overrides, op.step, op.sharding)
@@ -212,6 +241,56 @@ class JaxRuntime:
             jax.make_array_from_single_device_arrays(spec[f].shape, sharding, per_field[f])
             for f in fields
         ]
+
+    # -- checkpoints -----------------------------------------------------------------
+
+    def _checkpointer(self, directory: str, barrier_prefix: str) -> Any:
+        from worker.checkpoint import HostCheckpointer
+
+        key = (directory, barrier_prefix)
+        checkpointer = self._checkpointers.get(key)
+        if checkpointer is None:
+            checkpointer = self._checkpointers[key] = HostCheckpointer(
+                directory, barrier_prefix=barrier_prefix or None
+            )
+        return checkpointer
+
+    def _save(self, op: SaveOp) -> None:
+        import json
+
+        state = [self.buffers.get(h) for h in op.handles]
+        self._checkpointer(op.directory, op.barrier_prefix).save(
+            op.step, state, json.loads(op.meta)
+        )
+
+    def _restore(self, op: RestoreOp) -> None:
+        import jax
+
+        target = [
+            jax.ShapeDtypeStruct(shape, dtype_of(dtype), sharding=self.named_sharding(sharding))
+            for shape, dtype, sharding in zip(op.shapes, op.dtypes, op.shardings, strict=True)
+        ]
+        checkpointer = self._checkpointer(op.directory, op.barrier_prefix)
+        state, meta = checkpointer.restore(op.step, target)
+        wrong = {k: (meta.get(k), v) for k, v in op.expect if meta.get(k) != v}
+        if wrong:
+            raise ValueError(
+                f"checkpoint step {op.step} in {op.directory} does not fit this job: "
+                + ", ".join(
+                    f"{k} is {saved!r} there, {want!r} here" for k, (saved, want) in wrong.items()
+                )
+            )
+        if len(state) != len(op.handles):
+            raise ValueError(
+                f"checkpoint step {op.step} holds {len(state)} arrays, the job {len(op.handles)}"
+            )
+        for handle, array in zip(op.handles, state, strict=True):
+            self.buffers.put(handle, array)
+
+    def _close_checkpointer(self, op: CloseCheckpointsOp) -> None:
+        checkpointer = self._checkpointers.pop((op.directory, op.barrier_prefix), None)
+        if checkpointer is not None:
+            checkpointer.close(timeout=op.timeout_s)
 
     def stage(self, key: str, pieces: list[tuple[Index, np.ndarray]]) -> None:
         """Keeps pieces that arrived over the data port until their PutOp comes."""
@@ -364,4 +443,5 @@ class JaxRuntime:
             "programs": len(self._programs),
             "pins": len(self._pins),
             "staged": len(self._staged),
+            "checkpoint_dirs": len(self._checkpointers),
         }

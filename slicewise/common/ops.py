@@ -77,7 +77,53 @@ class BatchOp:
     handles: tuple[str, ...]  # one per batch field, in sorted field order
 
 
-Op = PutOp | LoadOp | ExecOp | DeleteOp | PinOp | BatchOp
+@dataclass(frozen=True)
+class SaveOp:
+    """Start an asynchronous checkpoint of stored arrays (a job's state leaves, in order)
+    at `step` into `directory`, with `meta` (a JSON object as text: the data position and
+    whatever else a resume needs). Completes once the arrays are copied to host memory;
+    the commit goes on in the background, and is a marker in storage (see
+    worker/checkpoint.py). Every worker of the gang applies it in sequence order: it
+    holds barriers. `barrier_prefix` keeps one job's barriers apart from another's."""
+
+    seq: int
+    directory: str
+    step: int
+    handles: tuple[str, ...]
+    meta: str
+    barrier_prefix: str = ""
+
+
+@dataclass(frozen=True)
+class RestoreOp:
+    """Read the committed checkpoint `step` of `directory` into new arrays: one per
+    handle, with that shape, dtype and sharding on the gang's mesh. Fails unless the
+    step is committed and its metadata has the values in `expect` (e.g. the seed and
+    global batch size: the data position of a resumed run must be the saved one)."""
+
+    seq: int
+    directory: str
+    step: int
+    handles: tuple[str, ...]
+    shapes: tuple[tuple[int, ...], ...]
+    dtypes: tuple[str, ...]
+    shardings: tuple[ShardingSpec, ...]
+    expect: tuple[tuple[str, Any], ...] = ()
+    barrier_prefix: str = ""
+
+
+@dataclass(frozen=True)
+class CloseCheckpointsOp:
+    """Wait for the checkpoint save in flight into `directory` to commit (or fail: then
+    this fails), and let go of the directory. A job's last checkpoint operation."""
+
+    seq: int
+    directory: str
+    barrier_prefix: str = ""
+    timeout_s: float = 1200.0
+
+
+Op = PutOp | LoadOp | ExecOp | DeleteOp | PinOp | BatchOp | SaveOp | RestoreOp | CloseCheckpointsOp
 
 
 @dataclass(frozen=True)

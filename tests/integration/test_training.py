@@ -3,6 +3,7 @@ one-device reference, a loss that goes down, and jobs that outlive their clients
 
 from __future__ import annotations
 
+import re
 import signal
 import subprocess
 import sys
@@ -53,9 +54,12 @@ def read_lines(proc: subprocess.Popen) -> list[str]:
     return lines
 
 
+STEP_LINE = re.compile(r"^\S+ step \d+/\d+ ")  # not "j1 running: checkpoint step 50 ..."
+
+
 def steps_in(lines: list[str]) -> list[int]:
     """The step numbers of `JOB step N/TOTAL ...` lines."""
-    return [int(ln.split()[2].split("/")[0]) for ln in list(lines) if " step " in ln]
+    return [int(ln.split()[2].split("/")[0]) for ln in list(lines) if STEP_LINE.match(ln)]
 
 
 def cli(controller, *args):
@@ -111,7 +115,7 @@ def test_default_lm_trains_and_a_second_process_watches_live(client, controller)
     steps = client.job_metrics(job.job_id).steps
     first, last = steps[0].loss, float(np.mean([s.loss for s in steps[-10:]]))
     assert first > 5.0 and last < 3.0, (first, last)
-    step_lines = [ln for ln in lines if " step " in ln]
+    step_lines = [ln for ln in lines if STEP_LINE.match(ln)]
     assert len(step_lines) == 200, lines[-5:]
     # Live: the watcher showed step 50 while the job was still running, 150 steps from
     # its end, not all the steps once it had ended.

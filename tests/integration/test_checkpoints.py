@@ -1,0 +1,132 @@
+"""Checkpoints of a 2-slice training job: written by the workers while training goes on,
+committed steps only, journalled; and a job started on the same directory resumes where
+the first one ended with, step for step, the loss of an uninterrupted run, bit for bit."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from controller.checkpoints import COMMIT_FILE
+from controller.jobview import TERMINAL
+from protos import controller_pb2 as pb
+from slicewise.testing import wait_until
+
+pytestmark = pytest.mark.integration
+
+# The same config for every job here: the schedule (total_steps) shapes the learning
+# rate of every step, so an uninterrupted run and a resumed one must share it.
+CONFIG = {
+    "d_model": "64",
+    "n_layers": "2",
+    "n_heads": "4",
+    "d_ff": "128",
+    "seq_len": "32",
+    "batch_size": "8",
+    "warmup_steps": "5",
+    "total_steps": "40",
+    "seed": "3",
+}
+FIRST, RESUMED = 25, 35
+EVERY = 10
+
+
+def finished(client, job_id: str) -> tuple[pb.JobInfo, list[pb.StepMetrics]]:
+    """The job's info and steps once it has succeeded."""
+
+    def ended():
+        info = client.job(job_id)
+        return info if info.state in TERMINAL else None
+
+    done = wait_until(ended, timeout_s=600, interval_s=0.5, what=f"job {job_id} to end")
+    assert done.state == pb.JOB_STATE_SUCCEEDED, done.error
+    return done, list(client.job_metrics(job_id).steps)
+
+
+def run_job(client, steps: int, **kwargs) -> tuple[pb.JobInfo, list[pb.StepMetrics]]:
+    """Runs a 2 x v5litepod-4 `lm` job to its end; returns its info and its steps."""
+    job = client.submit_job(
+        "lm", slices=2, slice_type="v5litepod-4", steps=steps, overrides=CONFIG, **kwargs
+    )
+    return finished(client, job.job_id)
+
+
+def cli(controller, *args, cwd=None) -> str:
+    """Runs `slicewise ARGS` against the controller; returns what it printed."""
+    done = subprocess.run(
+        [sys.executable, "-P", "-m", "controller.cli", *args]
+        + ["--controller", controller.address],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=cwd,
+    )
+    assert done.returncode == 0, done.stderr
+    return done.stdout
+
+
+@pytest.fixture(scope="module")
+def checkpointed(client, tmp_path_factory):
+    """The first job: FIRST steps, a checkpoint every EVERY steps into a fresh directory."""
+    directory = tmp_path_factory.mktemp("checkpoints") / "lm"
+    done, steps = run_job(client, FIRST, checkpoint_every=EVERY, checkpoint_dir=str(directory))
+    return directory, done, steps
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(client):
+    """The reference: RESUMED steps in one go, no checkpoints."""
+    return run_job(client, RESUMED, checkpoint_every=0)
+
+
+def test_committed_steps_are_the_scheduled_ones_and_journalled(controller, checkpointed):
+    directory, done, steps = checkpointed
+    assert [s.step for s in steps] == list(range(FIRST))
+    on_disk = sorted(p.name for p in directory.iterdir())
+    assert on_disk == ["10", "20", "25"], "a partial or stray step was left behind"
+    for name in on_disk:
+        assert (directory / name / COMMIT_FILE).is_file()
+    assert done.HasField("committed_step") and done.committed_step == FIRST
+    assert (done.checkpoint_every, done.checkpoint_dir) == (EVERY, str(directory))
+
+    assert f"last committed checkpoint: step {FIRST}" in cli(controller, "jobs", done.job_id)
+
+
+def test_a_job_on_the_same_directory_resumes_with_the_uninterrupted_losses(
+    controller, client, checkpointed, uninterrupted
+):
+    directory, first, first_steps = checkpointed
+    reference, reference_steps = uninterrupted
+    assert not reference.HasField("committed_step")
+    want = {s.step: s.loss for s in reference_steps}
+    # The runs agree where they overlap: the same seed gives the same numbers.
+    assert [s.loss for s in first_steps] == [want[s] for s in range(FIRST)]
+
+    # From the command line, naming the directory relative to where it runs.
+    settings = [f"--set={k}={v}" for k, v in CONFIG.items()]
+    printed = cli(
+        controller,
+        "train",
+        "lm",
+        "--slices=2",
+        "--slice-type=v5litepod-4",
+        f"--steps={RESUMED}",
+        *settings,
+        f"--checkpoint-every={EVERY}",
+        f"--checkpoint-dir={directory.name}",
+        "--detach",
+        cwd=directory.parent,
+    )
+    resumed, steps = finished(client, printed.strip())
+    assert resumed.checkpoint_dir == str(directory)
+    assert [s.step for s in steps] == list(range(FIRST, RESUMED)), "it did not resume"
+    got = {s.step: s.loss for s in steps}
+    differences = {s: abs(got[s] - want[s]) for s in got if got[s] != want[s]}
+    assert not differences, (
+        f"resumed losses differ from the uninterrupted run at steps {sorted(differences)}; "
+        f"largest difference {max(differences.values()):.3e}"
+    )
+    assert resumed.committed_step == RESUMED
+    assert sorted(int(p.name) for p in directory.iterdir()) == [10, 20, 25, 30, 35]
