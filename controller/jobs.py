@@ -41,10 +41,11 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from controller import metrics
-from controller.checkpoints import committed_steps, is_committed, resume_step, save_steps
+from controller.checkpoints import resume_step, save_steps
 from controller.journal import Journal, StepRecord
 from controller.logs import set_log_context
 from slicewise.common.arrays import ArraySpec
+from slicewise.common.checkpoints import committed_steps, is_committed
 from slicewise.common.errors import (
     FailedPreconditionError,
     InvalidRequestError,

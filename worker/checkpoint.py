@@ -44,7 +44,7 @@ from orbax.checkpoint.checkpoint_managers import (
     PreservationContext,
 )
 
-COMMIT_FILE = ocp.path.atomicity_types.COMMIT_SUCCESS_FILE
+from slicewise.common import checkpoints as stored
 
 
 class UncommittedStepError(LookupError):
@@ -96,7 +96,6 @@ class HostCheckpointer:
         self.directory = epath.Path(directory)
         self.directory.mkdir(parents=True, exist_ok=True)
         self._keep = {int(s) for s in keep_steps}
-        self._names = ocp.path.step.standard_name_format()
         options = ocp.CheckpointManagerOptions(
             preservation_policy=AnyPreservationPolicy(
                 [LatestN(n=max_to_keep), _MarkedSteps(self._keep)]
@@ -185,16 +184,11 @@ class HostCheckpointer:
             error = done.exception() if done.done() else None
             if error is not None:
                 raise error
-        try:
-            path = self._names.find_step(self.directory, step).path
-        except ValueError:
-            return False
-        return bool((path / COMMIT_FILE).exists())
+        return stored.is_committed(self.directory, step)
 
     def committed_steps(self) -> list[int]:
         """The committed steps in storage, oldest first; partial saves are not listed."""
-        found = self._names.find_all(self.directory)
-        return sorted(m.step for m in found if (m.path / COMMIT_FILE).exists())
+        return stored.committed_steps(self.directory)
 
     def latest_committed_step(self) -> int | None:
         """The newest committed step in storage (None when there is none): where a

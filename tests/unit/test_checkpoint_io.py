@@ -14,7 +14,8 @@ import pytest
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from worker.checkpoint import COMMIT_FILE, HostCheckpointer, UncommittedStepError
+from slicewise.common.checkpoints import COMMIT_FILE
+from worker.checkpoint import HostCheckpointer, UncommittedStepError
 
 WAIT_S = 120
 META = {"seed": 7, "step": 10, "global_batch_size": 32, "data": {"epoch": 0, "offset": 320}}

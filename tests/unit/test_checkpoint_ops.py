@@ -10,9 +10,10 @@ import jax
 import numpy as np
 import pytest
 
+from slicewise.common.checkpoints import COMMIT_FILE
 from slicewise.common.mesh import GangShape, MeshSpec, ShardingSpec
 from slicewise.common.ops import CloseCheckpointsOp, RestoreOp, SaveOp
-from worker.checkpoint import COMMIT_FILE, UncommittedStepError
+from worker.checkpoint import UncommittedStepError
 from worker.runtime import JaxRuntime
 
 GANG = GangShape(2, 1, 4)

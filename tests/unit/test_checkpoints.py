@@ -8,19 +8,14 @@ import asyncio
 import sqlite3
 from types import SimpleNamespace
 
+import orbax.checkpoint as ocp
 import pytest
 
-from controller.checkpoints import (
-    COMMIT_FILE,
-    committed_steps,
-    is_committed,
-    resume_step,
-    save_steps,
-)
+from controller.checkpoints import resume_step, save_steps
 from controller.jobs import DEFAULT_CHECKPOINT_EVERY, Job, JobRunner, JobSpec, _spec_from_json
 from controller.journal import Journal
+from slicewise.common.checkpoints import COMMIT_FILE, committed_steps, is_committed
 from slicewise.common.errors import FailedPreconditionError, InvalidRequestError
-from worker.checkpoint import COMMIT_FILE as ORBAX_COMMIT_FILE
 
 
 def spec(**kw):
@@ -34,7 +29,7 @@ def commit(directory, step):
 
 
 def test_the_marker_is_the_one_orbax_writes():
-    assert COMMIT_FILE == ORBAX_COMMIT_FILE
+    assert COMMIT_FILE == ocp.path.atomicity_types.COMMIT_SUCCESS_FILE
 
 
 @pytest.mark.parametrize(
