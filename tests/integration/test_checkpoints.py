@@ -9,9 +9,9 @@ import sys
 
 import pytest
 
-from controller.checkpoints import COMMIT_FILE
 from controller.jobview import TERMINAL
 from protos import controller_pb2 as pb
+from slicewise.common.checkpoints import COMMIT_FILE
 from slicewise.testing import wait_until
 
 pytestmark = pytest.mark.integration
