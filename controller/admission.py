@@ -381,6 +381,10 @@ class GangManager:
         self.scheduler.release(rid)  # its client gave up meanwhile
         self.scheduler.cancel(rid)
 
+    def grace_left(self, gang: Gang) -> float:
+        """Seconds left of the grace period of a gang being preempted (0 when over)."""
+        return max(0.0, gang.preempt_deadline - self._clock())
+
     def _on_preempt(self, gang: Gang, decision: Preempt) -> None:
         if gang.state is not GangState.READY:
             return  # failed or stopping already: its slices come free without a notice

@@ -34,3 +34,12 @@ def resume_step(committed: Iterable[int], journalled: int | None, steps: int) ->
             f"directory no longer holds it (committed there: {held or 'none'})"
         )
     return held[-1] if held else None
+
+
+def yield_save(reached: int, saved: Iterable[int]) -> int | None:
+    """The step a job told to yield saves before it lets go of its gang: the step it has
+    reached (its state is the input of that step), unless that is the initial state or
+    a save of it is queued or committed already (None: nothing to save)."""
+    if reached <= 0 or reached in set(saved):
+        return None
+    return reached

@@ -36,7 +36,7 @@ from slicewise.common.trace import Span, SpanRecorder
 log = logging.getLogger(__name__)
 
 
-def _failpoint(name: str) -> float:
+def failpoint(name: str) -> float:
     """Test-only pauses: if SLICEWISE_FAILPOINTS names a JSON file, its value for `name`
     (e.g. {"reserve_delay_s": 4}: wait that long before reserving, so a test can take a
     host away mid-reservation). Read on every use, so a test can set and clear it."""
@@ -267,7 +267,7 @@ class Gang:
             for s in self.slices
             for h in range(s.type.hosts)
         ]
-        delay = _failpoint("reserve_delay_s")
+        delay = failpoint("reserve_delay_s")
         if delay:
             # Tests wait for this line to know the reservation is paused here.
             log.info("gang %s: failpoint: pausing %g s before reserving", self.gang_id, delay)

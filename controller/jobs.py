@@ -20,6 +20,18 @@ Step times are the workers' own measurements, carried back with each step's comp
 (`step_seconds`): completions travel in batches, so when they reach the controller says
 nothing about how long a step took.
 
+Preemption: a job watches the gang it allocated. When the scheduler tells the gang to
+make room (PREEMPTING, with a grace period), the loop stops queuing steps, queues a save
+of the state it has reached behind the steps already queued, waits (within the grace)
+for that save to commit and journals it, then yields the gang (`release(requeue=True)`)
+and goes back to QUEUED. When the gang is re-admitted on new workers ("resumed", a new
+gang epoch) the job starts again as it first did: exports and loads its programs, and
+restores the newest committed step. If the grace runs out first, the gang is stopped
+under it and the job resumes from the newest step that did commit. Work of the old gang
+epoch (its queued steps and saves) is dropped, never awaited again; steps re-run after a
+resume overwrite their earlier records. A job on a gang its client holds cannot yield
+it: it fails, saying so, if that gang is preempted under it.
+
 A job's state changes in exactly one place (`Job.transition`), along the table below;
 every change is journalled and published to whoever watches the job.
 """
@@ -27,6 +39,7 @@ every change is journalled and published to whoever watches the job.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import enum
 import json
@@ -41,7 +54,9 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from controller import metrics
-from controller.checkpoints import resume_step, save_steps
+from controller.checkpoints import resume_step, save_steps, yield_save
+from controller.gang import failpoint
+from controller.gangstate import GangState
 from controller.journal import Journal, StepRecord
 from controller.logs import set_log_context
 from slicewise.common.arrays import ArraySpec
@@ -57,6 +72,7 @@ from slicewise.common.topology import slice_type as lookup_slice_type
 
 if TYPE_CHECKING:
     from controller.core import Controller
+    from controller.gang import Gang
 
 log = logging.getLogger(__name__)
 
@@ -85,12 +101,14 @@ class JobState(enum.Enum):
 _ALLOWED: dict[JobState, set[JobState]] = {
     JobState.QUEUED: {JobState.ADMITTED, JobState.FAILED, JobState.CANCELLED},
     JobState.ADMITTED: {JobState.STARTING, JobState.FAILED, JobState.CANCELLED},
-    JobState.STARTING: {JobState.RUNNING, JobState.FAILED, JobState.CANCELLED},
+    # -> QUEUED: its gang was preempted; it waits to be re-admitted.
+    JobState.STARTING: {JobState.RUNNING, JobState.FAILED, JobState.CANCELLED, JobState.QUEUED},
     JobState.RUNNING: {
         JobState.SUCCEEDED,
         JobState.FAILED,
         JobState.CANCELLED,
         JobState.RECOVERING,
+        JobState.QUEUED,
     },
     JobState.RECOVERING: {JobState.STARTING, JobState.FAILED, JobState.CANCELLED},
     JobState.SUCCEEDED: set(),
@@ -192,6 +210,9 @@ class Job:
     saving: deque[tuple[int, Any]] = field(default_factory=deque)
     watchers: set[asyncio.Queue[dict[str, Any]]] = field(default_factory=set)
     task: asyncio.Task[None] | None = None
+    # Times its gang was preempted, and the step it last resumed from after one.
+    preemptions: int = 0
+    resumed_from: int | None = None
 
     def transition(self, new: JobState, *, epoch: int | None = None) -> None:
         """The one place a job's state changes. A change from an older epoch (a start that
@@ -369,6 +390,7 @@ class JobRunner:
     async def _run(self, job: Job) -> None:
         set_log_context(job=job.job_id)
         gang = None
+        events = None
         owned = not job.spec.gang_id  # a gang the job allocated is released with it
         try:
             if owned:
@@ -377,6 +399,7 @@ class JobRunner:
                 )
             else:
                 gang = self.controller.manager.get(job.spec.gang_id)
+            events = gang.watch()
             job.gang_id = gang.gang_id
             set_log_context(gang=gang.gang_id)
             self._move(
@@ -384,8 +407,18 @@ class JobRunner:
                 JobState.ADMITTED,
                 f"gang {gang.gang_id}: {', '.join(s.name for s in gang.slices)}",
             )
-            self._move(job, JobState.STARTING)
-            await self._train(job, gang)
+            while True:
+                self._move(job, JobState.STARTING)
+                epoch = gang.epoch
+                if await self._train(job, gang, epoch):
+                    break
+                await self._yield(job, gang, epoch)
+                await self._wait_resumed(job, gang, epoch, events)
+                self._move(
+                    job,
+                    JobState.ADMITTED,
+                    f"gang {gang.gang_id} re-admitted: {', '.join(s.name for s in gang.slices)}",
+                )
             self._move(job, JobState.CANCELLED if job.cancel_requested else JobState.SUCCEEDED)
         except asyncio.CancelledError:
             job.error = job.error or "cancelled"
@@ -396,12 +429,101 @@ class JobRunner:
             if not job.state.terminal:
                 self._move(job, JobState.FAILED, job.error)
         finally:
+            if gang is not None and events is not None:
+                gang.unwatch(events)
             if owned and gang is not None and gang.gang_id in self.controller.gangs:
                 await self.controller.release(
                     gang.gang_id, why=f"was released by job {job.job_id} ({job.state.value})"
                 )
 
-    async def _train(self, job: Job, gang: Any) -> None:
+    async def _yield(self, job: Job, gang: Gang, epoch: int) -> None:
+        """Lets go of a preempted gang (unless the grace ran out and it was stopped under
+        the job already); the job waits in QUEUED for the gang to be re-admitted."""
+        if gang.state is GangState.PREEMPTING and gang.epoch == epoch:
+            try:
+                await self.controller.release(
+                    gang.gang_id,
+                    why=f"was yielded by job {job.job_id} to {gang.preempted_by}",
+                    requeue=True,
+                )
+            except FailedPreconditionError as exc:  # stopped or resumed meanwhile
+                log.info("job %s: gang %s: %s", job.job_id, gang.gang_id, exc)
+        job.preemptions += 1
+        resume = (
+            "its newest committed step, if any"
+            if job.committed_step is None
+            else f"its newest committed step ({job.committed_step} as journalled)"
+        )
+        self._move(
+            job,
+            JobState.QUEUED,
+            f"preempted by {gang.preempted_by or 'a higher-priority request'} at step "
+            f"{job.step}; waiting to be re-admitted, then resumes from {resume}",
+        )
+
+    async def _wait_resumed(
+        self, job: Job, gang: Gang, epoch: int, events: asyncio.Queue[tuple[str, str]]
+    ) -> None:
+        """Returns once the gang runs again on new workers (an epoch after `epoch`).
+
+        Raises:
+            FailedPreconditionError: the gang failed or was released meanwhile.
+        """
+        while True:
+            if self.controller.gangs.get(gang.gang_id) is not gang:
+                raise FailedPreconditionError(
+                    f"gang {gang.gang_id} was released while job {job.job_id} waited to resume"
+                )
+            if gang.state is GangState.FAILED:
+                raise FailedPreconditionError(
+                    f"gang {gang.gang_id} failed while job {job.job_id} waited to resume: "
+                    f"{gang.why}"
+                )
+            if gang.state.usable and gang.epoch > epoch:
+                return
+            # Events only wake this up; the gang's state is what counts.
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(events.get(), timeout=1.0)
+
+    def _lost_to_preemption(self, job: Job, gang: Gang, epoch: int) -> bool:
+        """Whether the gang of start `epoch` was stopped by preemption (the job then
+        resumes; anything that failed on the stopped gang failed for that reason).
+
+        Raises:
+            FailedPreconditionError: it was, but the gang is the client's, not the job's.
+        """
+        lost = gang.epoch != epoch or GangState.PREEMPTED in (gang.state, gang.stopping_to)
+        if lost and job.spec.gang_id:
+            at = "none" if job.committed_step is None else f"step {job.committed_step}"
+            raise FailedPreconditionError(
+                f"gang {gang.gang_id}, which job {job.job_id} ran on and its client holds, "
+                f"was preempted by {gang.preempted_by or 'a higher-priority request'}; a job "
+                "can only yield and resume on a gang it allocated itself (submit it without a "
+                f"gang). Last committed checkpoint: {at}"
+            )
+        return lost
+
+    async def _train(self, job: Job, gang: Gang, epoch: int) -> bool:
+        """Trains on the gang's start `epoch` until the job's last step (True), or until
+        the gang is preempted under the job (False: the job then yields and resumes).
+
+        Raises:
+            FailedPreconditionError: a step, save or restore failed; or the gang the
+                client holds was preempted.
+        """
+        try:
+            return await self._train_on(job, gang)
+        except Exception:
+            if not self._lost_to_preemption(job, gang, epoch):
+                raise
+            log.warning(
+                "job %s: gang %s was stopped by preemption before the job yielded it",
+                job.job_id,
+                gang.gang_id,
+            )
+            return False
+
+    async def _train_on(self, job: Job, gang: Gang) -> bool:
         import jax
 
         from programs.base import ParallelAxes, get_program, make_flat_train_fns
@@ -445,15 +567,22 @@ class JobRunner:
         }
         directory, prefix = spec.checkpoint_dir, f"{job.job_id}.{job.epoch}"
         job.saving.clear()  # saves of an earlier start are no concern of this one
-        start = await asyncio.to_thread(
-            lambda: resume_step(committed_steps(directory), job.committed_step, spec.steps)
-        )
+        held = await asyncio.to_thread(committed_steps, directory)
+        # After a preemption, from no later than the last step recorded: steps after it
+        # ran on the old gang, but their metrics were lost with it, so they run again.
+        limit = min(spec.steps, job.step) if job.preemptions else spec.steps
+        start = resume_step(held, job.committed_step, limit)
         if start is None:
             key = np.asarray(jax.random.PRNGKey(program.seed(config)))
             key_record = await c.put_array(gang.gang_id, key, ShardingSpec(mesh, ()))
             _, state = c.execute(gang.gang_id, init.program_id, [key_record.handle])
             c.delete([key_record.handle])
             begun = "initialised"
+            if job.step:  # preempted before anything committed: from the start again
+                begun = "started again from step 0 after preemption (nothing committed)"
+                job.step, job.resumed_from = 0, 0
+                job.recent.clear()
+                self.journal.update_job(job.job_id, time.time(), step=0)
         else:
             shardings = [ShardingSpec.from_partition_spec(mesh, p) for p in state_specs]
             restored, state = c.restore_checkpoint(
@@ -469,9 +598,15 @@ class JobRunner:
             if error:
                 raise FailedPreconditionError(f"restoring checkpoint step {start} failed: {error}")
             job.step = start
+            # Steps after `start` run again; their records are replaced as they do.
+            job.recent = deque((r for r in job.recent if r.step < start), maxlen=200)
             self.journal.update_job(job.job_id, time.time(), step=start)
-            self._committed(job, start, announce=False)  # the RUNNING message says it
+            newest = max(s for s in held if s <= spec.steps)
+            self._committed(job, newest, announce=False)  # the RUNNING message says it
             begun = f"restored step {start} from {directory}"
+            if job.preemptions:
+                job.resumed_from = start
+                begun = f"resumed from step {start} after preemption ({directory})"
         state_handles = [r.handle for r in state]
         tokens = program.tokens_per_step(config)
         self._move(
@@ -480,12 +615,18 @@ class JobRunner:
             f"mesh {mesh.describe()}, {flops / 1e9:.2f} GFLOP/step, {begun}",
         )
 
-        saves = set(save_steps(job.step, spec.steps, spec.checkpoint_every))
+        # Steps committed already (by a start before a preemption) are not saved again.
+        saves = set(save_steps(job.step, spec.steps, spec.checkpoint_every)) - set(held)
         pending: deque[tuple[int, Any]] = deque()
         metrics_index = len(step_program.outputs) - 1
         for step in range(job.step, spec.steps):
             if job.cancel_requested:
                 break
+            if gang.state is GangState.PREEMPTING and not spec.gang_id:
+                await self._save_before_yield(
+                    job, gang, step, state_handles, pending, tokens, position, prefix, held
+                )
+                return False
             batch = c.load_batch(
                 gang.gang_id, spec.program, overrides, step, batch_sharding, fields
             )
@@ -515,6 +656,66 @@ class JobRunner:
                 raise FailedPreconditionError(f"the last checkpoint did not commit: {error}")
             await self._check_commits(job)
         c.delete(state_handles)
+        return True
+
+    async def _save_before_yield(
+        self,
+        job: Job,
+        gang: Gang,
+        reached: int,
+        state_handles: list[str],
+        pending: deque[tuple[int, Any]],
+        tokens: int,
+        position: dict[str, Any],
+        prefix: str,
+        held: list[int],
+    ) -> None:
+        """The gang is being preempted and the steps before `reached` are queued: saves
+        the state they lead to, in order behind them, and waits (within the grace
+        period) until it commits and is journalled. If it cannot, the job resumes from
+        the newest step that did commit."""
+        c = self.controller
+        delay = failpoint("yield_delay_s")
+        if delay:  # tests: outlast the grace period, so the gang is stopped under the job
+            log.info("job %s: failpoint: pausing %g s before saving", job.job_id, delay)
+            await asyncio.sleep(delay)
+        grace = c.manager.grace_left(gang)
+        directory = job.spec.checkpoint_dir
+        queued = [s for s, _ in job.saving]
+        committed = [] if job.committed_step is None else [job.committed_step]
+        target = yield_save(reached, [*queued, *committed, *held])
+        if target is not None:
+            meta = json.dumps(position | {"step": target})
+            saved = c.save_checkpoint(gang.gang_id, state_handles, directory, target, meta, prefix)
+            job.saving.append((target, saved))
+        self._publish(
+            job,
+            message=f"preempted by {gang.preempted_by}: saving step {reached} within "
+            f"{grace:.0f} s before yielding the gang",
+        )
+
+        async def finish() -> None:
+            while pending:
+                await self._record(job, *pending.popleft(), tokens)
+            closed = c.close_checkpoints(gang.gang_id, directory, prefix)
+            error = await closed.done
+            if error:
+                raise FailedPreconditionError(f"the checkpoint did not commit: {error}")
+            await self._check_commits(job)
+
+        try:
+            # A second of the grace is left for yielding the gang.
+            await asyncio.wait_for(finish(), max(0.0, grace - 1.0))
+        except Exception as exc:  # noqa: BLE001 - the committed steps are what counts
+            log.warning(
+                "job %s: step %d was not saved within the grace period (%s: %s); it "
+                "resumes from step %s",
+                job.job_id,
+                reached,
+                type(exc).__name__,
+                exc,
+                job.committed_step,
+            )
 
     async def _record(self, job: Job, step: int, ticket: Any, tokens: int) -> None:
         error = await ticket.done
@@ -549,6 +750,8 @@ class JobRunner:
             self._committed(job, step)
 
     def _committed(self, job: Job, step: int, *, announce: bool = True) -> None:
+        if job.committed_step is not None and step < job.committed_step:
+            return  # an older step saved after a resume from before the newest
         job.committed_step = step
         self.journal.update_job(job.job_id, time.time(), committed_step=step)
         if announce:

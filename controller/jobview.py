@@ -113,6 +113,10 @@ def summary(job: pb.JobInfo, steps: list[pb.StepMetrics]) -> str:
     if job.flops_per_step:
         text += f"; {job.flops_per_step / 1e9:.2f} GFLOP/step"
     text += f"; {checkpoint(job)}"
+    if job.preemptions:
+        text += f"; preempted {job.preemptions} time{'s' if job.preemptions > 1 else ''}"
+        if job.HasField("resumed_from_step"):
+            text += f", resumed from step {job.resumed_from_step}"
     if job.error:
         text += f"; error: {job.error}"
     return text

@@ -63,6 +63,9 @@ def job_to_pb(job: Job) -> pb.JobInfo:
     )
     if job.committed_step is not None:
         info.committed_step = job.committed_step
+    info.preemptions = job.preemptions
+    if job.resumed_from is not None:
+        info.resumed_from_step = job.resumed_from
     if job.mesh is not None:
         info.mesh.CopyFrom(mesh_to_pb(job.mesh))
     if job.last is not None:

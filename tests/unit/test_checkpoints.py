@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import orbax.checkpoint as ocp
 import pytest
 
-from controller.checkpoints import resume_step, save_steps
+from controller.checkpoints import resume_step, save_steps, yield_save
 from controller.jobs import DEFAULT_CHECKPOINT_EVERY, Job, JobRunner, JobSpec, _spec_from_json
 from controller.journal import Journal
 from slicewise.common.checkpoints import COMMIT_FILE, committed_steps, is_committed
@@ -69,6 +69,13 @@ def test_a_job_resumes_from_the_newest_committed_step_within_its_steps():
     assert resume_step([10, 25], 25, 25) == 25  # all done: restore and train nothing
     with pytest.raises(FailedPreconditionError, match="no longer holds it"):
         resume_step([10], 20, 25)
+
+
+def test_a_job_told_to_yield_saves_the_step_it_reached_unless_saved_already():
+    assert yield_save(17, [10]) == 17
+    assert yield_save(20, [10, 20]) is None  # its periodic save is queued or committed
+    assert yield_save(0, []) is None  # the initial state: nothing to save
+    assert yield_save(3, []) == 3
 
 
 def test_checkpoint_settings_are_checked_and_kept(tmp_path):

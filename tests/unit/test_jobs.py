@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 from prometheus_client import REGISTRY
 
+from controller.gangstate import GangState
 from controller.jobs import (
     InvalidTransitionError,
     Job,
@@ -18,7 +19,11 @@ from controller.jobs import (
     step_seconds,
 )
 from controller.journal import Journal, StepRecord
-from slicewise.common.errors import InvalidRequestError, ProgramMismatchError
+from slicewise.common.errors import (
+    FailedPreconditionError,
+    InvalidRequestError,
+    ProgramMismatchError,
+)
 from slicewise.common.mesh import GangShape, MeshAxis
 
 
@@ -52,6 +57,19 @@ def test_transitions_outside_the_table_are_refused(path, bad):
         job.transition(state)
     with pytest.raises(InvalidTransitionError):
         job.transition(bad)
+
+
+def test_a_preempted_job_waits_queued_and_starts_again_in_a_new_epoch():
+    job = Job("j1", spec())
+    for state in (JobState.ADMITTED, JobState.STARTING, JobState.RUNNING, JobState.QUEUED):
+        job.transition(state)
+    job.transition(JobState.ADMITTED)
+    job.transition(JobState.STARTING)
+    assert job.epoch == 2
+    job.transition(JobState.QUEUED)  # preempted again before it ran
+    job.transition(JobState.CANCELLED)  # a waiting job can be cancelled
+    with pytest.raises(InvalidTransitionError):
+        job.transition(JobState.QUEUED)
 
 
 def test_each_start_bumps_the_epoch_and_stale_epochs_are_ignored():
@@ -172,3 +190,31 @@ def test_the_runner_records_the_workers_step_time_however_late_the_completion_ca
     assert job.step == 1
     after = REGISTRY.get_sample_value("slicewise_step_seconds_sum")
     assert after - before == pytest.approx(0.3)
+
+
+@pytest.mark.parametrize(
+    ("state", "stopping_to", "epoch", "lost"),
+    [
+        (GangState.PREEMPTING, None, 1, False),  # told, still running: it may yield
+        (GangState.STOPPING, GangState.PREEMPTED, 1, True),  # the grace ran out
+        (GangState.PREEMPTED, None, 1, True),
+        (GangState.READY, None, 2, True),  # stopped and started again meanwhile
+        (GangState.FAILED, None, 1, False),  # a failure is not a preemption
+    ],
+)
+def test_a_gang_stopped_by_preemption_makes_its_job_resume(state, stopping_to, epoch, lost):
+    runner = JobRunner(controller=None, journal=Journal(":memory:"))
+    gang = SimpleNamespace(
+        gang_id="g2", state=state, stopping_to=stopping_to, epoch=epoch, preempted_by="g3"
+    )
+    assert runner._lost_to_preemption(Job("j1", spec()), gang, 1) is lost
+
+
+def test_a_job_on_a_gang_its_client_holds_fails_clearly_when_that_gang_is_preempted():
+    runner = JobRunner(controller=None, journal=Journal(":memory:"))
+    gang = SimpleNamespace(
+        gang_id="g2", state=GangState.PREEMPTED, stopping_to=None, epoch=1, preempted_by="g3"
+    )
+    job = Job("j1", spec(gang_id="g2"), committed_step=20)
+    with pytest.raises(FailedPreconditionError, match="its client holds, was preempted by g3"):
+        runner._lost_to_preemption(job, gang, 1)
