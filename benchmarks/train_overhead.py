@@ -68,7 +68,8 @@ class _MultiController:
         import jax
         import ray
 
-        from controller.jobs import JobSpec, _export
+        from controller.job import JobSpec
+        from controller.jobs import _export
         from programs.base import ParallelAxes, get_program, make_flat_train_fns
         from slicewise.client import Mesh
         from slicewise.common.mesh import GangShape, ShardingSpec

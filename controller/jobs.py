@@ -32,7 +32,7 @@ epoch (its queued steps and saves) is dropped, never awaited again; steps re-run
 resume overwrite their earlier records. A job on a gang its client holds cannot yield
 it: it fails, saying so, if that gang is preempted under it.
 
-A job's state changes in exactly one place (`Job.transition`), along the table below;
+A job's state changes in exactly one place (`Job.transition`, job.py), along its table;
 every change is journalled and published to whoever watches the job.
 """
 
@@ -41,13 +41,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import enum
 import json
 import logging
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Mapping, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -57,6 +55,15 @@ from controller import metrics
 from controller.checkpoints import resume_step, save_steps, yield_save
 from controller.gang import failpoint
 from controller.gangstate import GangState
+from controller.job import (
+    DATA_AXIS,
+    FSDP_AXIS,
+    TENSOR_AXIS,
+    Job,
+    JobSpec,
+    JobState,
+    _spec_from_json,
+)
 from controller.journal import Journal, StepRecord
 from controller.logs import set_log_context
 from slicewise.common.arrays import ArraySpec
@@ -64,10 +71,9 @@ from slicewise.common.checkpoints import committed_steps, is_committed
 from slicewise.common.errors import (
     FailedPreconditionError,
     InvalidRequestError,
-    InvalidTransitionError,
     NotFoundError,
 )
-from slicewise.common.mesh import GangShape, MeshAxis, MeshSpec, ShardingSpec
+from slicewise.common.mesh import ShardingSpec
 from slicewise.common.topology import slice_type as lookup_slice_type
 
 if TYPE_CHECKING:
@@ -75,171 +81,6 @@ if TYPE_CHECKING:
     from controller.gang import Gang
 
 log = logging.getLogger(__name__)
-
-# Checkpoint every this many steps unless the submitter says otherwise (0: never).
-DEFAULT_CHECKPOINT_EVERY = 50
-
-# Mesh axis names and the parallelism they carry.
-DATA_AXIS, FSDP_AXIS, TENSOR_AXIS = "data", "fsdp", "tensor"
-
-
-class JobState(enum.Enum):
-    QUEUED = "queued"
-    ADMITTED = "admitted"
-    STARTING = "starting"
-    RUNNING = "running"
-    RECOVERING = "recovering"
-    SUCCEEDED = "succeeded"
-    FAILED = "failed"
-    CANCELLED = "cancelled"
-
-    @property
-    def terminal(self) -> bool:
-        return self in (JobState.SUCCEEDED, JobState.FAILED, JobState.CANCELLED)
-
-
-_ALLOWED: dict[JobState, set[JobState]] = {
-    JobState.QUEUED: {JobState.ADMITTED, JobState.FAILED, JobState.CANCELLED},
-    JobState.ADMITTED: {JobState.STARTING, JobState.FAILED, JobState.CANCELLED},
-    # -> QUEUED: its gang was preempted; it waits to be re-admitted.
-    JobState.STARTING: {JobState.RUNNING, JobState.FAILED, JobState.CANCELLED, JobState.QUEUED},
-    JobState.RUNNING: {
-        JobState.SUCCEEDED,
-        JobState.FAILED,
-        JobState.CANCELLED,
-        JobState.RECOVERING,
-        JobState.QUEUED,
-    },
-    JobState.RECOVERING: {JobState.STARTING, JobState.FAILED, JobState.CANCELLED},
-    JobState.SUCCEEDED: set(),
-    JobState.FAILED: set(),
-    JobState.CANCELLED: set(),
-}
-
-
-@dataclass(frozen=True)
-class JobSpec:
-    """What a user asked for; validated before the job is accepted."""
-
-    program: str
-    num_slices: int
-    slice_type: str
-    steps: int
-    overrides: tuple[tuple[str, str], ...] = ()
-    # The training mesh as (axis, dcn ways, ici ways); empty for the default.
-    mesh: tuple[tuple[str, int, int], ...] = ()
-    client: str = ""
-    # A gang the submitter holds, to run on instead of allocating one (kept afterwards).
-    gang_id: str = ""
-    # Save a checkpoint after every this many steps and after the last (0: never).
-    checkpoint_every: int = DEFAULT_CHECKPOINT_EVERY
-    # Where (a directory or bucket path); "" until the runner picks the default.
-    checkpoint_dir: str = ""
-
-    def __post_init__(self) -> None:
-        if self.checkpoint_every < 0:
-            raise InvalidRequestError(
-                f"checkpoint_every must be >= 0 (0 turns checkpoints off), got "
-                f"{self.checkpoint_every}"
-            )
-        if self.checkpoint_dir and not (
-            "://" in self.checkpoint_dir or Path(self.checkpoint_dir).is_absolute()
-        ):
-            raise InvalidRequestError(
-                f"checkpoint_dir {self.checkpoint_dir!r} is relative; give an absolute path "
-                "(the controller and the workers do not share your working directory) or a "
-                "bucket URL"
-            )
-        if self.steps < 1:
-            raise InvalidRequestError(f"steps must be at least 1, got {self.steps}")
-        if self.num_slices < 1:
-            raise InvalidRequestError(f"a job needs at least 1 slice, asked for {self.num_slices}")
-        for name, _, _ in self.mesh:
-            if name not in (DATA_AXIS, FSDP_AXIS, TENSOR_AXIS):
-                raise InvalidRequestError(
-                    f"mesh axis {name!r} has no role; name training mesh axes "
-                    f"{DATA_AXIS!r} (data parallel), {FSDP_AXIS!r} (FSDP) or {TENSOR_AXIS!r} "
-                    "(tensor parallel)"
-                )
-
-    def mesh_for(self, gang: GangShape) -> MeshSpec:
-        """The job's mesh on a gang; by default data parallel across slices (DCN) and FSDP
-        over the chips of each slice (ICI)."""
-        if self.mesh:
-            mesh = MeshSpec(tuple(MeshAxis(n, d, i) for n, d, i in self.mesh))
-        else:
-            mesh = MeshSpec.build({DATA_AXIS: gang.num_slices}, {FSDP_AXIS: gang.chips_per_slice})
-        mesh.check_fits(gang)
-        return mesh
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "program": self.program,
-            "num_slices": self.num_slices,
-            "slice_type": self.slice_type,
-            "steps": self.steps,
-            "overrides": dict(self.overrides),
-            "mesh": [list(a) for a in self.mesh],
-            "client": self.client,
-            "gang_id": self.gang_id,
-            "checkpoint_every": self.checkpoint_every,
-            "checkpoint_dir": self.checkpoint_dir,
-        }
-
-
-@dataclass
-class Job:
-    """One training job and everything the controller knows about it."""
-
-    job_id: str
-    spec: JobSpec
-    state: JobState = JobState.QUEUED
-    step: int = 0
-    gang_id: str = ""
-    error: str = ""
-    epoch: int = 0
-    flops_per_step: float = 0.0
-    mesh: MeshSpec | None = None
-    created_at: float = field(default_factory=time.time)
-    updated_at: float = field(default_factory=time.time)
-    recent: deque[StepRecord] = field(default_factory=lambda: deque(maxlen=200))
-    cancel_requested: bool = False
-    # The newest checkpoint step known committed in storage (None: none yet).
-    committed_step: int | None = None
-    # Checkpoint saves queued, oldest first, whose commit has not been seen yet.
-    saving: deque[tuple[int, Any]] = field(default_factory=deque)
-    watchers: set[asyncio.Queue[dict[str, Any]]] = field(default_factory=set)
-    task: asyncio.Task[None] | None = None
-    # Times its gang was preempted, and the step it last resumed from after one.
-    preemptions: int = 0
-    resumed_from: int | None = None
-
-    def transition(self, new: JobState, *, epoch: int | None = None) -> None:
-        """The one place a job's state changes. A change from an older epoch (a start that
-        has since been superseded) is ignored.
-
-        Raises:
-            InvalidTransitionError: the table does not allow it.
-        """
-        if epoch is not None and epoch != self.epoch:
-            log.info(
-                "job %s: ignoring %s from epoch %d (now %d)",
-                self.job_id,
-                new.value,
-                epoch,
-                self.epoch,
-            )
-            return
-        if new not in _ALLOWED[self.state]:
-            raise InvalidTransitionError(f"job {self.job_id}: {self.state.value} -> {new.value}")
-        if new is JobState.STARTING:
-            self.epoch += 1
-        self.state = new
-        self.updated_at = time.time()
-
-    @property
-    def last(self) -> StepRecord | None:
-        return self.recent[-1] if self.recent else None
 
 
 class JobRunner:
@@ -826,19 +667,3 @@ def _export(
     flops = float((lowered.cost_analysis() or {}).get("flops", 0.0))
     state_specs = [tuple(s.sharding.spec) for s in fns.layout.state]
     return bytes(init.serialize()), bytes(exported.serialize()), flops, state_specs
-
-
-def _spec_from_json(data: Mapping[str, Any]) -> JobSpec:
-    return JobSpec(
-        data["program"],
-        data["num_slices"],
-        data["slice_type"],
-        data["steps"],
-        tuple(sorted(data["overrides"].items())),
-        tuple(tuple(a) for a in data["mesh"]),
-        data.get("client", ""),
-        data.get("gang_id", ""),
-        # Jobs journalled before checkpoints existed never saved any.
-        data.get("checkpoint_every", 0),
-        data.get("checkpoint_dir", ""),
-    )

@@ -11,7 +11,7 @@ from protos import controller_pb2 as pb
 from slicewise.wire import mesh_to_pb, spec_to_pb
 
 if TYPE_CHECKING:
-    from controller.jobs import Job
+    from controller.job import Job
 
 _STATES = {
     ArrayState.PENDING: pb.ARRAY_STATE_PENDING,

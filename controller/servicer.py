@@ -20,7 +20,8 @@ import numpy as np
 from controller import messages, metrics
 from controller.core import VERSION, Controller
 from controller.gang import Gang, worker_name
-from controller.jobs import DEFAULT_CHECKPOINT_EVERY, JobRunner, JobSpec
+from controller.job import DEFAULT_CHECKPOINT_EVERY, JobSpec
+from controller.jobs import JobRunner
 from controller.logs import set_log_context
 from protos import controller_pb2 as pb
 from protos import controller_pb2_grpc as pb_grpc

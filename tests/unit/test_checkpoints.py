@@ -12,7 +12,8 @@ import orbax.checkpoint as ocp
 import pytest
 
 from controller.checkpoints import resume_step, save_steps, yield_save
-from controller.jobs import DEFAULT_CHECKPOINT_EVERY, Job, JobRunner, JobSpec, _spec_from_json
+from controller.job import DEFAULT_CHECKPOINT_EVERY, Job, JobSpec, _spec_from_json
+from controller.jobs import JobRunner
 from controller.journal import Journal
 from slicewise.common.checkpoints import COMMIT_FILE, committed_steps, is_committed
 from slicewise.common.errors import FailedPreconditionError, InvalidRequestError

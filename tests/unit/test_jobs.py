@@ -9,19 +9,13 @@ import pytest
 from prometheus_client import REGISTRY
 
 from controller.gangstate import GangState
-from controller.jobs import (
-    InvalidTransitionError,
-    Job,
-    JobRunner,
-    JobSpec,
-    JobState,
-    step_record,
-    step_seconds,
-)
+from controller.job import Job, JobSpec, JobState
+from controller.jobs import JobRunner, step_record, step_seconds
 from controller.journal import Journal, StepRecord
 from slicewise.common.errors import (
     FailedPreconditionError,
     InvalidRequestError,
+    InvalidTransitionError,
     ProgramMismatchError,
 )
 from slicewise.common.mesh import GangShape, MeshAxis

@@ -1,0 +1,205 @@
+"""A training job as the controller records it: its spec, its state and the one table of
+allowed state changes (the job runner that drives it is jobs.py).
+
+    QUEUED -> ADMITTED -> STARTING -> RUNNING -> SUCCEEDED | FAILED | CANCELLED, and
+    back to QUEUED when its gang is preempted (it resumes from its last checkpoint).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import logging
+import time
+from collections import deque
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from controller.journal import StepRecord
+from slicewise.common.errors import InvalidRequestError, InvalidTransitionError
+from slicewise.common.mesh import GangShape, MeshAxis, MeshSpec
+
+log = logging.getLogger(__name__)
+
+# Checkpoint every this many steps unless the submitter says otherwise (0: never).
+DEFAULT_CHECKPOINT_EVERY = 50
+
+# Mesh axis names and the parallelism they carry.
+DATA_AXIS, FSDP_AXIS, TENSOR_AXIS = "data", "fsdp", "tensor"
+
+
+class JobState(enum.Enum):
+    QUEUED = "queued"
+    ADMITTED = "admitted"
+    STARTING = "starting"
+    RUNNING = "running"
+    RECOVERING = "recovering"
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+
+    @property
+    def terminal(self) -> bool:
+        return self in (JobState.SUCCEEDED, JobState.FAILED, JobState.CANCELLED)
+
+
+_ALLOWED: dict[JobState, set[JobState]] = {
+    JobState.QUEUED: {JobState.ADMITTED, JobState.FAILED, JobState.CANCELLED},
+    JobState.ADMITTED: {JobState.STARTING, JobState.FAILED, JobState.CANCELLED},
+    # -> QUEUED: its gang was preempted; it waits to be re-admitted.
+    JobState.STARTING: {JobState.RUNNING, JobState.FAILED, JobState.CANCELLED, JobState.QUEUED},
+    JobState.RUNNING: {
+        JobState.SUCCEEDED,
+        JobState.FAILED,
+        JobState.CANCELLED,
+        JobState.RECOVERING,
+        JobState.QUEUED,
+    },
+    JobState.RECOVERING: {JobState.STARTING, JobState.FAILED, JobState.CANCELLED},
+    JobState.SUCCEEDED: set(),
+    JobState.FAILED: set(),
+    JobState.CANCELLED: set(),
+}
+
+
+@dataclass(frozen=True)
+class JobSpec:
+    """What a user asked for; validated before the job is accepted."""
+
+    program: str
+    num_slices: int
+    slice_type: str
+    steps: int
+    overrides: tuple[tuple[str, str], ...] = ()
+    # The training mesh as (axis, dcn ways, ici ways); empty for the default.
+    mesh: tuple[tuple[str, int, int], ...] = ()
+    client: str = ""
+    # A gang the submitter holds, to run on instead of allocating one (kept afterwards).
+    gang_id: str = ""
+    # Save a checkpoint after every this many steps and after the last (0: never).
+    checkpoint_every: int = DEFAULT_CHECKPOINT_EVERY
+    # Where (a directory or bucket path); "" until the runner picks the default.
+    checkpoint_dir: str = ""
+
+    def __post_init__(self) -> None:
+        if self.checkpoint_every < 0:
+            raise InvalidRequestError(
+                f"checkpoint_every must be >= 0 (0 turns checkpoints off), got "
+                f"{self.checkpoint_every}"
+            )
+        if self.checkpoint_dir and not (
+            "://" in self.checkpoint_dir or Path(self.checkpoint_dir).is_absolute()
+        ):
+            raise InvalidRequestError(
+                f"checkpoint_dir {self.checkpoint_dir!r} is relative; give an absolute path "
+                "(the controller and the workers do not share your working directory) or a "
+                "bucket URL"
+            )
+        if self.steps < 1:
+            raise InvalidRequestError(f"steps must be at least 1, got {self.steps}")
+        if self.num_slices < 1:
+            raise InvalidRequestError(f"a job needs at least 1 slice, asked for {self.num_slices}")
+        for name, _, _ in self.mesh:
+            if name not in (DATA_AXIS, FSDP_AXIS, TENSOR_AXIS):
+                raise InvalidRequestError(
+                    f"mesh axis {name!r} has no role; name training mesh axes "
+                    f"{DATA_AXIS!r} (data parallel), {FSDP_AXIS!r} (FSDP) or {TENSOR_AXIS!r} "
+                    "(tensor parallel)"
+                )
+
+    def mesh_for(self, gang: GangShape) -> MeshSpec:
+        """The job's mesh on a gang; by default data parallel across slices (DCN) and FSDP
+        over the chips of each slice (ICI)."""
+        if self.mesh:
+            mesh = MeshSpec(tuple(MeshAxis(n, d, i) for n, d, i in self.mesh))
+        else:
+            mesh = MeshSpec.build({DATA_AXIS: gang.num_slices}, {FSDP_AXIS: gang.chips_per_slice})
+        mesh.check_fits(gang)
+        return mesh
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "program": self.program,
+            "num_slices": self.num_slices,
+            "slice_type": self.slice_type,
+            "steps": self.steps,
+            "overrides": dict(self.overrides),
+            "mesh": [list(a) for a in self.mesh],
+            "client": self.client,
+            "gang_id": self.gang_id,
+            "checkpoint_every": self.checkpoint_every,
+            "checkpoint_dir": self.checkpoint_dir,
+        }
+
+
+@dataclass
+class Job:
+    """One training job and everything the controller knows about it."""
+
+    job_id: str
+    spec: JobSpec
+    state: JobState = JobState.QUEUED
+    step: int = 0
+    gang_id: str = ""
+    error: str = ""
+    epoch: int = 0
+    flops_per_step: float = 0.0
+    mesh: MeshSpec | None = None
+    created_at: float = field(default_factory=time.time)
+    updated_at: float = field(default_factory=time.time)
+    recent: deque[StepRecord] = field(default_factory=lambda: deque(maxlen=200))
+    cancel_requested: bool = False
+    # The newest checkpoint step known committed in storage (None: none yet).
+    committed_step: int | None = None
+    # Checkpoint saves queued, oldest first, whose commit has not been seen yet.
+    saving: deque[tuple[int, Any]] = field(default_factory=deque)
+    watchers: set[asyncio.Queue[dict[str, Any]]] = field(default_factory=set)
+    task: asyncio.Task[None] | None = None
+    # Times its gang was preempted, and the step it last resumed from after one.
+    preemptions: int = 0
+    resumed_from: int | None = None
+
+    def transition(self, new: JobState, *, epoch: int | None = None) -> None:
+        """The one place a job's state changes. A change from an older epoch (a start that
+        has since been superseded) is ignored.
+
+        Raises:
+            InvalidTransitionError: the table does not allow it.
+        """
+        if epoch is not None and epoch != self.epoch:
+            log.info(
+                "job %s: ignoring %s from epoch %d (now %d)",
+                self.job_id,
+                new.value,
+                epoch,
+                self.epoch,
+            )
+            return
+        if new not in _ALLOWED[self.state]:
+            raise InvalidTransitionError(f"job {self.job_id}: {self.state.value} -> {new.value}")
+        if new is JobState.STARTING:
+            self.epoch += 1
+        self.state = new
+        self.updated_at = time.time()
+
+    @property
+    def last(self) -> StepRecord | None:
+        return self.recent[-1] if self.recent else None
+
+
+def _spec_from_json(data: Mapping[str, Any]) -> JobSpec:
+    return JobSpec(
+        data["program"],
+        data["num_slices"],
+        data["slice_type"],
+        data["steps"],
+        tuple(sorted(data["overrides"].items())),
+        tuple(tuple(a) for a in data["mesh"]),
+        data.get("client", ""),
+        data.get("gang_id", ""),
+        # Jobs journalled before checkpoints existed never saved any.
+        data.get("checkpoint_every", 0),
+        data.get("checkpoint_dir", ""),
+    )
