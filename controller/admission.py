@@ -12,7 +12,7 @@ import itertools
 import logging
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from controller.backend import ClusterBackend
@@ -54,7 +54,11 @@ class GangManager:
         spans: SpanRecorder | None = None,
         on_released: Callable[[Gang, str], None] = lambda gang, why: None,
         lost_poll_s: float = LOST_POLL_S,
+        next_id: Callable[[], int] | None = None,
+        gone: Mapping[str, str] | None = None,
     ) -> None:
+        """`next_id` numbers the gangs (g1, g2, ...; a journal's counter keeps numbering
+        across restarts); `gone` says why ids of an earlier run no longer name a gang."""
         self.options = options
         self.scheduler = Scheduler(clock, grace_s=options.preemption_grace_s)
         self.gangs: dict[str, Gang] = {}
@@ -63,8 +67,8 @@ class GangManager:
         self._clock = clock
         self._on_released = on_released
         self._lost_poll_s = lost_poll_s
-        self._ids = itertools.count(1)
-        self._released: OrderedDict[str, str] = OrderedDict()
+        self._next_id = next_id or itertools.count(1).__next__
+        self._released: OrderedDict[str, str] = OrderedDict(gone or {})
         self._waiters: dict[str, asyncio.Future[tuple[str, ...]]] = {}
         self.shared = SharedGangs(lambda gang: self.gangs.get(gang.gang_id) is gang)
         # Decisions about gangs that were still starting, carried out once they are up.
@@ -202,7 +206,7 @@ class GangManager:
                 "type at a time (alternatives without mixed types)"
             )
         timeout_s = timeout_s or self.options.allocate_timeout_s
-        gang_id = f"g{next(self._ids)}"
+        gang_id = f"g{self._next_id()}"
         request = GangRequest(
             gang_id,
             num_slices,

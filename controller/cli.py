@@ -92,13 +92,13 @@ def _pairs(items: list[str], what: str, convert=str) -> dict:  # noqa: ANN001
     return out
 
 
-def _follow_job(client, job_id: str, plain: bool | None) -> int:  # noqa: ANN001
+def _follow_job(client, job_id: str, plain: bool | None, reconnect_s: float) -> int:  # noqa: ANN001
     from controller.jobview import follow, summary
     from protos import controller_pb2 as pb
     from slicewise.common.errors import SlicewiseError
 
     try:
-        job = follow(client.watch_job(job_id), plain=plain)
+        job = follow(client.watch_job(job_id, reconnect_timeout=reconnect_s), plain=plain)
     except KeyboardInterrupt:
         print(
             f"\ndetached from {job_id}; it keeps running. Re-attach: slicewise watch "
@@ -143,12 +143,12 @@ def _train(args: argparse.Namespace) -> int:
             f"{args.steps} steps (Ctrl-C detaches; the job keeps running)",
             flush=True,
         )
-        return _follow_job(client, job.job_id, True if args.plain else None)
+        return _follow_job(client, job.job_id, True if args.plain else None, args.reconnect)
 
 
 def _watch(args: argparse.Namespace) -> int:
     with _connect(args, "watch") as client:
-        return _follow_job(client, args.job, True if args.plain else None)
+        return _follow_job(client, args.job, True if args.plain else None, args.reconnect)
 
 
 def _cancel(args: argparse.Namespace) -> int:
@@ -224,6 +224,17 @@ def _cluster(args: argparse.Namespace) -> int:
     return 0
 
 
+def _reconnect_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--reconnect",
+        type=float,
+        default=300.0,
+        metavar="SECONDS",
+        help="if the controller goes away (restarted on the same state directory), keep "
+        "re-attaching for this long; 0: give up at once (default %(default)s)",
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="slicewise",
@@ -268,8 +279,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--state-dir",
         metavar="DIR",
-        help="where the journal of jobs and metrics lives (default: a temporary "
-        "directory with --sim, ~/.local/state/slicewise otherwise)",
+        help="where the journal (jobs, metrics, gangs) and default checkpoint directories "
+        "live; a controller restarted on it continues the unfinished jobs (default: "
+        "$XDG_STATE_HOME/slicewise, or ~/.local/state/slicewise, with a sim-SPEC "
+        "subdirectory under --sim)",
     )
     p.add_argument(
         "--log-format",
@@ -348,6 +361,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--detach", action="store_true", help="print the job id and return at once")
     p.add_argument("--plain", action="store_true", help="one line per step, no progress bar")
     p.add_argument("--timeout", type=float, default=10.0)
+    _reconnect_flag(p)
     p.set_defaults(func=_train)
 
     p = sub.add_parser("watch", help="follow a running job from any terminal")
@@ -355,6 +369,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--controller", default=DEFAULT_ADDRESS, metavar="ADDR")
     p.add_argument("--plain", action="store_true", help="one line per step, no progress bar")
     p.add_argument("--timeout", type=float, default=10.0)
+    _reconnect_flag(p)
     p.set_defaults(func=_watch)
 
     p = sub.add_parser("cancel", help="stop a job and free its slices")

@@ -26,6 +26,8 @@ from controller.arrays import ArrayRecord, ArrayTable
 from controller.backend import ClusterBackend, RayBackend
 from controller.dispatch import Ticket
 from controller.gang import Gang
+from controller.gangstate import GangState
+from controller.journal import Journal
 from controller.options import DEFAULT_OPTIONS, ControllerOptions
 from controller.programs import Program, ProgramRegistry, load_program, program_id_of
 from controller.scheduler import Scheduler
@@ -56,6 +58,9 @@ from slicewise.common.trace import now_us as trace_now_us
 
 log = logging.getLogger(__name__)
 
+# How many ended gangs of an earlier run a restarted controller can still explain.
+_REMEMBERED_GANGS = 10_000
+
 VERSION = "0.1.0"
 
 
@@ -80,7 +85,10 @@ class Controller:
         clock: Callable[[], float] = time.monotonic,
         simulated: bool = False,
         options: ControllerOptions = DEFAULT_OPTIONS,
+        journal: Journal | None = None,
     ) -> None:
+        """`journal`: where gangs are recorded and their ids numbered, so that a restarted
+        controller knows the gangs lost with its predecessor and never reuses their ids."""
         self.simulated = simulated
         self.options = options
         self.started_at = time.time()
@@ -93,10 +101,14 @@ class Controller:
             options=options,
             spans=self.spans,
             on_released=self._gang_stopped,
+            next_id=(lambda: journal.next_number("gang")) if journal else None,
+            gone=self._lost_gangs(journal) if journal else None,
         )
+        self.journal = journal
         # Worker timelines of released gangs, so a trace can still be taken afterwards.
         self._archived_spans: OrderedDict[str, list[tuple[str, list[Span]]]] = OrderedDict()
         self._gauges: asyncio.Task[None] | None = None
+        self._journalled: set[str] = set()
 
     @property
     def scheduler(self) -> Scheduler:
@@ -143,6 +155,12 @@ class Controller:
         """Admits and starts a gang; returns it and the id its caller uses (see
         GangManager.allocate for the options)."""
         result = await self.manager.allocate(num_slices, slice_type_name, **kwargs)
+        gang, _ = result
+        if self.journal is not None and gang.gang_id not in self._journalled:
+            self._journalled.add(gang.gang_id)  # once, though a shared gang is attached to
+            self.journal.add_gang(
+                gang.gang_id, gang.client, (s.name for s in gang.slices), time.time()
+            )
         self._update_gauges()
         return result
 
@@ -162,6 +180,25 @@ class Controller:
     def _gang_stopped(self, gang: Gang, why: str) -> None:
         dropped = self.arrays.drop_gang(gang.gang_id, why)
         log.info("gang %s %s (%d arrays freed)", gang.gang_id, why, dropped)
+        if self.journal is not None and gang.state is GangState.RELEASED:
+            self._journalled.discard(gang.gang_id)
+            self.journal.end_gang(gang.gang_id, why, time.time())
+
+    @staticmethod
+    def _lost_gangs(journal: Journal) -> dict[str, str]:
+        """Why the gang ids of an earlier controller on this journal name no gang now:
+        those it left running stopped with it (Ray ends the actors of a driver that
+        exits), and are recorded as ended here; the others ended before it did."""
+        lost = "was lost when the controller restarted (its workers stopped with the old one)"
+        gone = {
+            gang_id: f"{why} (before the controller restarted)"
+            for gang_id, why in journal.ended_gangs(_REMEMBERED_GANGS)
+        }
+        for gang_id, client in journal.running_gangs():
+            log.info("gang %s of %s %s", gang_id, client or "a client", lost)
+            journal.end_gang(gang_id, lost, time.time())
+            gone[gang_id] = lost
+        return gone
 
     def get_gang(self, gang_id: str, *, usable: bool = True) -> Gang:
         return self.manager.get(gang_id, usable=usable)

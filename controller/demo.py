@@ -26,7 +26,15 @@ def run_demo(sim: str) -> int:
         f"starting a controller on a simulated cluster {sim} (one process per TPU host); "
         f"its log: {log_path}"
     )
-    with open(log_path, "w") as log, controller_process(sim=sim, stderr=log) as controller:
+    # A state directory of its own: the demo starts fresh every time and leaves nothing.
+    state = tempfile.TemporaryDirectory(prefix="slicewise-demo-", ignore_cleanup_errors=True)
+    with (
+        state,
+        open(log_path, "w") as log,
+        controller_process(
+            sim=sim, stderr=log, extra_args=("--state-dir", state.name)
+        ) as controller,
+    ):
         address = controller.address
         say(f"controller up at {address} after {time.monotonic() - t0:.1f} s")
         with slicewise.connect(address, name="demo") as client:

@@ -157,9 +157,16 @@ class Job:
     saving: deque[tuple[int, Any]] = field(default_factory=deque)
     watchers: set[asyncio.Queue[dict[str, Any]]] = field(default_factory=set)
     task: asyncio.Task[None] | None = None
-    # Times its gang was preempted, and the step it last resumed from after one.
+    # Times its gang was preempted, and the step it last resumed from after one (or
+    # after a controller restart).
     preemptions: int = 0
     resumed_from: int | None = None
+    # Times a controller restart found it unfinished and started it again.
+    restarts: int = 0
+    # Set when the controller stops: the job saves what it reached by `stop_deadline`
+    # (time.monotonic()) and stops, unfinished, for the next controller to continue.
+    interrupted: bool = False
+    stop_deadline: float = 0.0
 
     def transition(self, new: JobState, *, epoch: int | None = None) -> None:
         """The one place a job's state changes. A change from an older epoch (a start that

@@ -72,6 +72,7 @@ from slicewise.common.errors import (
     FailedPreconditionError,
     InvalidRequestError,
     NotFoundError,
+    ShuttingDownError,
 )
 from slicewise.common.mesh import ShardingSpec
 from slicewise.common.topology import slice_type as lookup_slice_type
@@ -96,6 +97,9 @@ class JobRunner:
         self.checkpoint_root = Path(state_dir or Path(journal.path).parent) / "checkpoints"
         self.jobs: dict[str, Job] = {}
         self._next = journal.next_job_number()
+        self._stopping = False
+        # Jobs an earlier run of this controller left unfinished; `resume` restarts them.
+        self._unfinished: list[Job] = []
         for record in journal.jobs():  # jobs of an earlier run of this controller
             spec = record["spec"]
             job = Job(
@@ -110,12 +114,46 @@ class JobRunner:
                 created_at=record["created_at"],
                 updated_at=record["updated_at"],
                 committed_step=record["committed_step"],
+                preemptions=record["preemptions"],
+                resumed_from=record["resumed_from_step"],
+                restarts=record["restarts"],
             )
             job.recent.extend(journal.steps(job.job_id, since=max(0, job.step - 200)))
-            if not job.state.terminal:
-                job.state, job.error = JobState.FAILED, "the controller restarted"
-                journal.update_job(job.job_id, time.time(), state=job.state.value, error=job.error)
             self.jobs[job.job_id] = job
+            if job.state.terminal:
+                continue
+            if job.spec.gang_id:
+                # Its gang was the client's; it stopped with the old controller's workers.
+                job.state = JobState.FAILED
+                job.error = (
+                    f"the controller restarted, and gang {job.spec.gang_id}, which the job ran "
+                    "on for its client, stopped with it; submit the job again (it restores "
+                    f"its newest committed checkpoint from {job.spec.checkpoint_dir})"
+                )
+                journal.update_job(job.job_id, time.time(), state=job.state.value, error=job.error)
+                continue
+            # Back in the queue; it restores its newest committed step when it starts.
+            job.state = JobState.QUEUED
+            job.restarts += 1
+            journal.update_job(
+                job.job_id, time.time(), state=job.state.value, restarts=job.restarts
+            )
+            self._unfinished.append(job)
+
+    def resume(self) -> list[Job]:
+        """Starts again the jobs an earlier run of this controller left unfinished (each
+        takes a new gang and restores its newest committed checkpoint); returns them."""
+        resumed, self._unfinished = self._unfinished, []
+        for job in resumed:
+            log.info(
+                "job %s resumes after the controller restarted (step %d recorded, newest "
+                "committed checkpoint %s)",
+                job.job_id,
+                job.step,
+                "none" if job.committed_step is None else f"step {job.committed_step}",
+            )
+            job.task = asyncio.create_task(self._run(job), name=f"job-{job.job_id}")
+        return resumed
 
     # -- API --------------------------------------------------------------------------
 
@@ -123,6 +161,10 @@ class JobRunner:
         """Checks the request (program, config, slice type) and starts the job."""
         from programs.base import get_program
 
+        if self._stopping:
+            raise ShuttingDownError(
+                "the controller is shutting down; submit the job again once it is back"
+            )
         program = get_program(spec.program)
         program.make_config(dict(spec.overrides))
         lookup_slice_type(spec.slice_type)
@@ -198,13 +240,25 @@ class JobRunner:
         self.get(job_id)
         return self.journal.steps(job_id)
 
-    async def shutdown(self) -> None:
-        for job in self.jobs.values():
-            if job.task is not None and not job.task.done():
-                job.cancel_requested = True
-                job.task.cancel()
-        tasks = [j.task for j in self.jobs.values() if j.task is not None]
-        await asyncio.gather(*tasks, return_exceptions=True)
+    async def shutdown(self, grace_s: float) -> None:
+        """Stops every job for a controller that is stopping, so that its next run on
+        the same state directory continues them: a running job saves the step it has
+        reached (within `grace_s`, as if preempted) and stops; the others stop at once.
+        Their journalled state stays unfinished; what they committed stays committed."""
+        self._stopping = True
+        deadline = time.monotonic() + grace_s
+        active = [j for j in self.jobs.values() if j.task is not None and not j.task.done()]
+        for job in active:
+            job.interrupted = True
+            job.stop_deadline = deadline
+            if job.state is not JobState.RUNNING:
+                job.task.cancel()  # type: ignore[union-attr]
+        tasks = [j.task for j in active if j.task is not None]
+        if tasks:
+            _, late = await asyncio.wait(tasks, timeout=grace_s + 5.0)
+            for task in late:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
 
     # -- the step loop -----------------------------------------------------------------
 
@@ -253,6 +307,9 @@ class JobRunner:
                 epoch = gang.epoch
                 if await self._train(job, gang, epoch):
                     break
+                if job.interrupted:
+                    self._stopped_with_controller(job)
+                    return
                 await self._yield(job, gang, epoch)
                 await self._wait_resumed(job, gang, epoch, events)
                 self._move(
@@ -262,6 +319,9 @@ class JobRunner:
                 )
             self._move(job, JobState.CANCELLED if job.cancel_requested else JobState.SUCCEEDED)
         except asyncio.CancelledError:
+            if job.interrupted and not job.cancel_requested:
+                self._stopped_with_controller(job)
+                return
             job.error = job.error or "cancelled"
             self._move(job, JobState.CANCELLED, "cancelled")
         except Exception as exc:  # noqa: BLE001 - the job fails, the controller goes on
@@ -277,6 +337,19 @@ class JobRunner:
                     gang.gang_id, why=f"was released by job {job.job_id} ({job.state.value})"
                 )
 
+    def _stopped_with_controller(self, job: Job) -> None:
+        resume = (
+            "from the start (nothing committed)"
+            if job.committed_step is None
+            else f"from step {job.committed_step}"
+        )
+        log.info("job %s stopped with the controller; it resumes %s", job.job_id, resume)
+        self._publish(
+            job,
+            message=f"the controller is stopping; the job resumes {resume} when a "
+            "controller starts again on the same state directory",
+        )
+
     async def _yield(self, job: Job, gang: Gang, epoch: int) -> None:
         """Lets go of a preempted gang (unless the grace ran out and it was stopped under
         the job already); the job waits in QUEUED for the gang to be re-admitted."""
@@ -290,6 +363,7 @@ class JobRunner:
             except FailedPreconditionError as exc:  # stopped or resumed meanwhile
                 log.info("job %s: gang %s: %s", job.job_id, gang.gang_id, exc)
         job.preemptions += 1
+        self.journal.update_job(job.job_id, time.time(), preemptions=job.preemptions)
         resume = (
             "its newest committed step, if any"
             if job.committed_step is None
@@ -409,9 +483,11 @@ class JobRunner:
         directory, prefix = spec.checkpoint_dir, f"{job.job_id}.{job.epoch}"
         job.saving.clear()  # saves of an earlier start are no concern of this one
         held = await asyncio.to_thread(committed_steps, directory)
-        # After a preemption, from no later than the last step recorded: steps after it
-        # ran on the old gang, but their metrics were lost with it, so they run again.
-        limit = min(spec.steps, job.step) if job.preemptions else spec.steps
+        # After a preemption or a controller restart, from no later than the last step
+        # recorded: steps after it ran on the old gang, but their metrics were lost with
+        # it, so they run again.
+        interrupted = bool(job.preemptions or job.restarts)
+        limit = min(spec.steps, job.step) if interrupted else spec.steps
         start = resume_step(held, job.committed_step, limit)
         if start is None:
             key = np.asarray(jax.random.PRNGKey(program.seed(config)))
@@ -419,8 +495,8 @@ class JobRunner:
             _, state = c.execute(gang.gang_id, init.program_id, [key_record.handle])
             c.delete([key_record.handle])
             begun = "initialised"
-            if job.step:  # preempted before anything committed: from the start again
-                begun = "started again from step 0 after preemption (nothing committed)"
+            if job.step:  # interrupted before anything committed: from the start again
+                begun = f"started again from step 0 after {_why_resumed(job)} (nothing committed)"
                 job.step, job.resumed_from = 0, 0
                 job.recent.clear()
                 self.journal.update_job(job.job_id, time.time(), step=0)
@@ -445,9 +521,10 @@ class JobRunner:
             newest = max(s for s in held if s <= spec.steps)
             self._committed(job, newest, announce=False)  # the RUNNING message says it
             begun = f"restored step {start} from {directory}"
-            if job.preemptions:
+            if interrupted:
                 job.resumed_from = start
-                begun = f"resumed from step {start} after preemption ({directory})"
+                self.journal.update_job(job.job_id, time.time(), resumed_from_step=start)
+                begun = f"resumed from step {start} after {_why_resumed(job)} ({directory})"
         state_handles = [r.handle for r in state]
         tokens = program.tokens_per_step(config)
         self._move(
@@ -463,7 +540,7 @@ class JobRunner:
         for step in range(job.step, spec.steps):
             if job.cancel_requested:
                 break
-            if gang.state is GangState.PREEMPTING and not spec.gang_id:
+            if job.interrupted or (gang.state is GangState.PREEMPTING and not spec.gang_id):
                 await self._save_before_yield(
                     job, gang, step, state_handles, pending, tokens, position, prefix, held
                 )
@@ -511,16 +588,21 @@ class JobRunner:
         prefix: str,
         held: list[int],
     ) -> None:
-        """The gang is being preempted and the steps before `reached` are queued: saves
-        the state they lead to, in order behind them, and waits (within the grace
-        period) until it commits and is journalled. If it cannot, the job resumes from
-        the newest step that did commit."""
+        """The gang is being preempted (or the controller is stopping) and the steps
+        before `reached` are queued: saves the state they lead to, in order behind them,
+        and waits (within the grace period) until it commits and is journalled. If it
+        cannot, the job resumes from the newest step that did commit."""
         c = self.controller
         delay = failpoint("yield_delay_s")
         if delay:  # tests: outlast the grace period, so the gang is stopped under the job
             log.info("job %s: failpoint: pausing %g s before saving", job.job_id, delay)
             await asyncio.sleep(delay)
-        grace = c.manager.grace_left(gang)
+        if job.interrupted:
+            grace = max(0.0, job.stop_deadline - time.monotonic())
+            reason = "the controller is stopping"
+        else:
+            grace = c.manager.grace_left(gang)
+            reason = f"preempted by {gang.preempted_by}"
         directory = job.spec.checkpoint_dir
         queued = [s for s, _ in job.saving]
         committed = [] if job.committed_step is None else [job.committed_step]
@@ -529,11 +611,11 @@ class JobRunner:
             meta = json.dumps(position | {"step": target})
             saved = c.save_checkpoint(gang.gang_id, state_handles, directory, target, meta, prefix)
             job.saving.append((target, saved))
-        self._publish(
-            job,
-            message=f"preempted by {gang.preempted_by}: saving step {reached} within "
-            f"{grace:.0f} s before yielding the gang",
+        saving = (
+            f"{reason}: saving step {reached} within {grace:.0f} s before letting go of the gang"
         )
+        log.info("job %s: %s", job.job_id, saving)
+        self._publish(job, message=saving)
 
         async def finish() -> None:
             while pending:
@@ -598,6 +680,13 @@ class JobRunner:
         if announce:
             log.info("job %s: checkpoint step %d committed", job.job_id, step)
             self._publish(job, message=f"checkpoint step {step} committed")
+
+
+def _why_resumed(job: Job) -> str:
+    """What interrupted a job that is starting again, in a few words."""
+    if job.restarts and job.preemptions:
+        return "preemption and a controller restart"
+    return "a controller restart" if job.restarts else "preemption"
 
 
 def step_seconds(ran: Mapping[int, tuple[int, int]]) -> float:

@@ -115,8 +115,11 @@ def summary(job: pb.JobInfo, steps: list[pb.StepMetrics]) -> str:
     text += f"; {checkpoint(job)}"
     if job.preemptions:
         text += f"; preempted {job.preemptions} time{'s' if job.preemptions > 1 else ''}"
-        if job.HasField("resumed_from_step"):
-            text += f", resumed from step {job.resumed_from_step}"
+    if job.restarts:
+        text += f"; continued after {job.restarts} controller restart"
+        text += "s" if job.restarts > 1 else ""
+    if (job.preemptions or job.restarts) and job.HasField("resumed_from_step"):
+        text += f", resumed from step {job.resumed_from_step}"
     if job.error:
         text += f"; error: {job.error}"
     return text

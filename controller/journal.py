@@ -1,6 +1,9 @@
-"""The controller's journal: jobs, their per-step metrics and their newest committed
-checkpoint step in SQLite, so that what a job did is still there after it ended (and,
-later, after the controller restarts)."""
+"""The controller's journal in SQLite: jobs (spec, state, progress, newest committed
+checkpoint step, preemptions), their per-step metrics, the gangs the controller started
+and the counters its ids come from. What a job did is still there after it ended, and a
+controller restarted on the same state directory finds the jobs it has to continue
+(controller/jobs.py), the gangs that were lost with the old process, and numbers ids
+after the old ones (an old id never names a new object)."""
 
 from __future__ import annotations
 
@@ -35,12 +38,29 @@ CREATE TABLE IF NOT EXISTS step_metrics (
     step_time_s REAL, tokens_per_s REAL, wall_time REAL,
     PRIMARY KEY (job_id, step)
 );
+CREATE TABLE IF NOT EXISTS gangs (
+    gang_id TEXT PRIMARY KEY,
+    client TEXT NOT NULL,
+    slices TEXT NOT NULL,        -- JSON list of slice names
+    created_at REAL NOT NULL,
+    ended_at REAL,               -- NULL: running when last heard of
+    why TEXT NOT NULL DEFAULT ''
+);
+CREATE TABLE IF NOT EXISTS counters (
+    name TEXT PRIMARY KEY,
+    value INTEGER NOT NULL
+);
 """
 
 
 # Columns added to `jobs` after its first release, with their SQL types: a journal
 # written before them gets them when it is opened.
-_ADDED_JOB_COLUMNS = {"committed_step": "INTEGER"}
+_ADDED_JOB_COLUMNS = {
+    "committed_step": "INTEGER",
+    "preemptions": "INTEGER NOT NULL DEFAULT 0",
+    "resumed_from_step": "INTEGER",
+    "restarts": "INTEGER NOT NULL DEFAULT 0",
+}
 
 
 @dataclass(frozen=True)
@@ -86,6 +106,53 @@ class Journal:
             row = self._db.execute("SELECT COALESCE(MAX(seq), 0) FROM jobs").fetchone()
         return int(row[0]) + 1
 
+    def next_number(self, name: str) -> int:
+        """The next number of counter `name` (1, 2, ...), durably taken: after a restart
+        the counter goes on from the last number handed out."""
+        with self._lock:
+            row = self._db.execute(
+                "INSERT INTO counters (name, value) VALUES (?, 1) "
+                "ON CONFLICT(name) DO UPDATE SET value = value + 1 RETURNING value",
+                (name,),
+            ).fetchone()
+        return int(row[0])
+
+    # -- gangs ------------------------------------------------------------------------
+
+    def add_gang(self, gang_id: str, client: str, slices: Iterable[str], now: float) -> None:
+        with self._lock:
+            self._db.execute(
+                "INSERT OR REPLACE INTO gangs (gang_id, client, slices, created_at) "
+                "VALUES (?, ?, ?, ?)",
+                (gang_id, client, json.dumps(list(slices)), now),
+            )
+
+    def end_gang(self, gang_id: str, why: str, now: float) -> None:
+        with self._lock:
+            self._db.execute(
+                "UPDATE gangs SET ended_at = ?, why = ? WHERE gang_id = ? AND ended_at IS NULL",
+                (now, why, gang_id),
+            )
+
+    def ended_gangs(self, limit: int) -> list[tuple[str, str]]:
+        """(gang id, why it ended) of the newest `limit` gangs recorded as ended, oldest
+        first."""
+        with self._lock:
+            rows = self._db.execute(
+                "SELECT gang_id, why FROM gangs WHERE ended_at IS NOT NULL "
+                "ORDER BY ended_at DESC LIMIT ?",
+                (limit,),
+            ).fetchall()
+        return [(str(g), str(w)) for g, w in reversed(rows)]
+
+    def running_gangs(self) -> list[tuple[str, str]]:
+        """(gang id, client) of the gangs not recorded as ended, oldest first."""
+        with self._lock:
+            rows = self._db.execute(
+                "SELECT gang_id, client FROM gangs WHERE ended_at IS NULL ORDER BY created_at"
+            ).fetchall()
+        return [(str(g), str(c)) for g, c in rows]
+
     def add_job(self, job_id: str, seq: int, spec: dict[str, Any], state: str, now: float) -> None:
         with self._lock:
             self._db.execute(
@@ -95,7 +162,18 @@ class Journal:
             )
 
     def update_job(self, job_id: str, now: float, **fields: Any) -> None:
-        allowed = {"state", "step", "gang_id", "error", "epoch", "flops_per_step", "committed_step"}
+        allowed = {
+            "state",
+            "step",
+            "gang_id",
+            "error",
+            "epoch",
+            "flops_per_step",
+            "committed_step",
+            "preemptions",
+            "resumed_from_step",
+            "restarts",
+        }
         unknown = set(fields) - allowed
         if unknown:
             raise ValueError(f"unknown job fields {sorted(unknown)}")

@@ -64,6 +64,7 @@ def job_to_pb(job: Job) -> pb.JobInfo:
     if job.committed_step is not None:
         info.committed_step = job.committed_step
     info.preemptions = job.preemptions
+    info.restarts = job.restarts
     if job.resumed_from is not None:
         info.resumed_from_step = job.resumed_from
     if job.mesh is not None:

@@ -33,9 +33,8 @@ class ServerConfig:
     # Stop when standard input reaches its end: a parent that started the controller on a
     # pipe (tests, scripts) takes it down by exiting, even when killed outright.
     stop_on_stdin_eof: bool = False
-    # Where the journal (jobs, their metrics) and, by default, the jobs' checkpoints
-    # (<state dir>/checkpoints/<job id>) live; None: a fresh temporary directory
-    # with --sim (the simulation dies with the controller), ~/.local/state otherwise.
+    # Where the journal (jobs, their metrics, gangs) and, by default, the jobs'
+    # checkpoints (<state dir>/checkpoints/<job id>) live; None: `default_state_dir`.
     state_dir: str | None = None
 
     def __post_init__(self) -> None:
@@ -66,11 +65,52 @@ def prepare_environment(ray_address: str | None) -> None:
             ray_constants.ENABLE_RAY_CLUSTER = False
 
 
+def default_state_dir(sim: str | None) -> Path:
+    """Where a controller keeps its state when not told: a directory per user (and per
+    simulated cluster, so that a restart on the same `--sim` finds its jobs and one on
+    another cluster does not inherit jobs it cannot place), under $XDG_STATE_HOME."""
+    root = Path(os.environ.get("XDG_STATE_HOME") or Path.home() / ".local" / "state")
+    if sim:
+        return root / "slicewise" / f"sim-{sim.replace(',', '+').replace('/', '_')}"
+    return root / "slicewise"
+
+
+def lock_state_dir(state_dir: Path) -> int | None:
+    """Takes the state directory for this process (an exclusive lock on
+    <state_dir>/controller.lock, which the kernel drops when the process dies, however
+    it dies); returns the lock's descriptor, or None if another live controller has it
+    (its pid is then logged)."""
+    import fcntl
+
+    state_dir.mkdir(parents=True, exist_ok=True)
+    fd = os.open(state_dir / "controller.lock", os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.read(fd, 32).decode(errors="replace").strip() or "unknown"
+        os.close(fd)
+        log.error(
+            "state directory %s is in use by another controller (pid %s); stop it, or give "
+            "this one another --state-dir",
+            state_dir,
+            holder,
+        )
+        return None
+    os.ftruncate(fd, 0)
+    os.write(fd, f"{os.getpid()}\n".encode())
+    return fd
+
+
 def run(config: ServerConfig) -> int:
     """Runs a controller until SIGTERM/SIGINT; returns the process exit code."""
     from controller.simcluster import SimulationProcess
 
     prepare_environment(config.ray_address)
+    state_dir = Path(config.state_dir or default_state_dir(config.sim))
+    lock = lock_state_dir(state_dir)
+    if lock is None:
+        return 2
+    log.info("state (journal, default checkpoint directories) in %s", state_dir)
     simulation = None
     if config.sim:
         log.info("starting simulated cluster %s", config.sim)
@@ -93,18 +133,15 @@ def run(config: ServerConfig) -> int:
             logging_level=logging.WARNING,
         )
         address = simulation.address if simulation else str(config.ray_address)
-        state_dir = config.state_dir or (
-            str(Path(workdir.name) / "state")
-            if simulation
-            else str(Path.home() / ".local" / "state" / "slicewise")
+        return asyncio.run(
+            _serve(config, simulation.pid if simulation else 0, address, str(state_dir))
         )
-        log.info("journal in %s", state_dir)
-        return asyncio.run(_serve(config, simulation.pid if simulation else 0, address, state_dir))
     finally:
         ray.shutdown()
         if simulation is not None:
             simulation.stop()
         workdir.cleanup()
+        os.close(lock)
         log.info("controller stopped")
 
 
@@ -128,12 +165,9 @@ async def _serve(
     from controller.servicer import ControllerServicer
     from protos import controller_pb2_grpc as pb_grpc
 
-    controller = Controller(
-        simulated=bool(config.sim),
-        options=config.options,
-    )
-    await controller.start()
     journal = Journal(Path(state_dir) / "journal.sqlite")
+    controller = Controller(simulated=bool(config.sim), options=config.options, journal=journal)
+    await controller.start()
     jobs = JobRunner(controller, journal, state_dir)
     server = grpc.aio.server()
     pb_grpc.add_ControllerServicer_to_server(
@@ -160,6 +194,13 @@ async def _serve(
             target=_stop_at_stdin_eof, args=(loop, stop), name="stdin-watch", daemon=True
         ).start()
     slices = len(controller.scheduler.inventory)
+    resumed = jobs.resume()
+    if resumed:
+        print(
+            f"slicewise controller: continuing {len(resumed)} unfinished job(s) from "
+            f"{state_dir}: {', '.join(j.job_id for j in resumed)}",
+            flush=True,
+        )
     if config.metrics_port is not None:
         from controller.metrics import serve_metrics
 
@@ -173,8 +214,9 @@ async def _serve(
         sum(not j.state.terminal for j in jobs.jobs.values()),
         len(controller.gangs),
     )
+    # Jobs first, while watchers are still connected to hear that they stop.
+    await jobs.shutdown(config.options.preemption_grace_s)
     await server.stop(grace=2)
-    await jobs.shutdown()
     await controller.shutdown()
     journal.close()
     return 0

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 import os
+import time
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, NamedTuple
 
@@ -47,6 +48,9 @@ _ERRORS: dict[grpc.StatusCode, type[SlicewiseError]] = {
 }
 
 
+_RECONNECT_BACKOFF_MS = 2000
+
+
 def _raise_from(err: grpc.RpcError) -> None:
     code = err.code()
     exc = _ERRORS.get(code, SlicewiseError)(err.details() or str(code))
@@ -72,7 +76,11 @@ class Client:
     def __init__(self, address: str, *, name: str = "", timeout: float = 30.0) -> None:
         self.address = address
         self.name = name
-        self._channel = grpc.insecure_channel(address)
+        # Retry a lost connection every few seconds at most (gRPC's default backoff grows
+        # to two minutes), so that a client notices a restarted controller soon.
+        self._channel = grpc.insecure_channel(
+            address, options=[("grpc.max_reconnect_backoff_ms", _RECONNECT_BACKOFF_MS)]
+        )
         self.closed = False
         try:
             grpc.channel_ready_future(self._channel).result(timeout=timeout)
@@ -157,9 +165,72 @@ class Client:
     def job_metrics(self, job_id: str) -> pb.JobMetrics:
         return _call(self.stub.GetJobMetrics, pb.GetJobRequest(job_id=job_id), timeout=60)
 
-    def watch_job(self, job_id: str) -> Iterator[pb.JobEvent]:
-        """The job's snapshot, then its steps and state changes until it ends."""
-        yield from self._stream(self.stub.WatchJob(pb.WatchJobRequest(job_id=job_id)))
+    def watch_job(self, job_id: str, *, reconnect_timeout: float = 0.0) -> Iterator[pb.JobEvent]:
+        """The job's snapshot, then its steps and state changes until it ends.
+
+        With `reconnect_timeout` > 0, a stream lost with the controller (it stopped or
+        died, and is restarted on the same state directory and address) is re-opened
+        for up to that many seconds: an event whose message says so marks the gap, and
+        steps already delivered are not delivered again (a job that resumes from an
+        earlier checkpoint runs some again; their metrics come once they pass the last
+        step delivered).
+
+        Raises:
+            WorkerError: the controller did not come back within `reconnect_timeout`.
+        """
+        request = pb.WatchJobRequest(job_id=job_id)
+        delivered = -1  # the newest step delivered
+        job: pb.JobInfo | None = None
+        while True:
+            try:
+                for event in self.stub.WatchJob(request):
+                    fresh = [s for s in event.steps if s.step > delivered]
+                    if len(fresh) != len(event.steps):
+                        del event.steps[:]
+                        event.steps.extend(fresh)
+                    if fresh:
+                        delivered = fresh[-1].step
+                    job = event.job
+                    yield event
+                return
+            except grpc.RpcError as err:
+                code = err.code()
+                if self.closed and code is grpc.StatusCode.CANCELLED:
+                    return
+                lost = code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)
+                if reconnect_timeout <= 0 or not lost:
+                    _raise_from(err)
+                yield pb.JobEvent(
+                    job=job or pb.JobInfo(job_id=job_id),
+                    message=f"lost the controller ({err.details() or code.name}); "
+                    f"re-attaching for up to {reconnect_timeout:.0f} s",
+                )
+                self._wait_for_controller(reconnect_timeout)
+
+    def _wait_for_controller(self, timeout_s: float) -> None:
+        """Returns once the controller answers again.
+
+        Raises:
+            WorkerError: it did not within `timeout_s`.
+        """
+        deadline = time.monotonic() + timeout_s
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise WorkerError(
+                    f"the controller at {self.address} did not come back within "
+                    f"{timeout_s:.0f} s; start it again with the same --state-dir, then "
+                    "`slicewise watch JOB`"
+                )
+            try:
+                self.stub.Health(pb.HealthRequest(), timeout=min(left, 5.0), wait_for_ready=True)
+                return
+            except grpc.RpcError as err:
+                if err.code() not in (
+                    grpc.StatusCode.UNAVAILABLE,
+                    grpc.StatusCode.DEADLINE_EXCEEDED,
+                ):
+                    _raise_from(err)
 
     def allocate(
         self,

@@ -20,6 +20,8 @@ do next.
 |                         |                     | could not start (the host is named)           |
 | GangBrokenError         | UNAVAILABLE         | work reached a gang as a worker of it died    |
 |                         |                     | (the host is named)                           |
+| ShuttingDownError       | UNAVAILABLE         | the controller is stopping; retry once it is  |
+|                         |                     | back (its jobs continue then)                 |
 | anything else           | INTERNAL            | a bug, e.g. InvalidTransitionError; logged    |
 |                         |                     | with its traceback, the controller goes on    |
 """
@@ -83,6 +85,12 @@ class WorkerError(SlicewiseError):
 
 class GangBrokenError(WorkerError):
     """A worker of the gang failed, so nothing more can run on it (UNAVAILABLE)."""
+
+
+class ShuttingDownError(SlicewiseError):
+    """The controller is stopping and takes no new work (UNAVAILABLE)."""
+
+    status = "UNAVAILABLE"
 
 
 class InvalidTransitionError(RuntimeError):

@@ -457,3 +457,36 @@ def test_every_error_class_names_a_status_that_the_errors_docstring_documents():
 def test_controller_options_refuse_values_that_cannot_work(bad):
     with pytest.raises(ValueError, match=next(iter(bad))):
         ControllerOptions(**bad)
+
+
+# -- (f) a restart on the same journal ---------------------------------------------------
+
+
+def test_a_restarted_controller_numbers_gangs_after_the_old_ones_and_says_what_became_of_them(
+    tmp_path,
+):
+    from controller.journal import Journal
+
+    async def scenario():
+        journal = Journal(tmp_path / "journal.sqlite")
+        old = Controller(backend=FakeCluster(V4, V4), journal=journal)
+        await old.refresh_inventory()
+        kept, _ = await old.allocate(1, V4, client="a")
+        ended, _ = await old.allocate(1, V4, client="b")
+        await old.release(ended.gang_id)
+        # The old controller dies here with `kept` running; a new one opens the journal.
+        new = Controller(backend=FakeCluster(V4, V4), journal=journal)
+        await new.refresh_inventory()
+        fresh, _ = await new.allocate(1, V4, client="c")
+        errors = {}
+        for gang_id in (kept.gang_id, ended.gang_id):
+            with pytest.raises(FailedPreconditionError) as caught:
+                new.get_gang(gang_id)
+            errors[gang_id] = str(caught.value)
+        return kept.gang_id, ended.gang_id, fresh.gang_id, errors, journal.running_gangs()
+
+    kept, ended, fresh, errors, running = run(scenario())
+    assert (kept, ended, fresh) == ("g1", "g2", "g3")  # an old id never names a new gang
+    assert "lost when the controller restarted" in errors["g1"]
+    assert "was released (before the controller restarted)" in errors["g2"]
+    assert running == [("g3", "c")]

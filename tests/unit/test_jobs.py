@@ -125,17 +125,50 @@ def test_journal_keeps_jobs_and_steps(tmp_path):
         again.update_job("j1", 102.0, colour="red")
 
 
-def test_a_restarted_controller_marks_unfinished_jobs_failed(tmp_path):
+def test_a_restarted_controller_queues_unfinished_jobs_to_continue(tmp_path):
     journal = Journal(tmp_path / "j.sqlite")
     journal.add_job("j1", 1, spec().to_json(), "running", 100.0)
+    journal.update_job("j1", 101.0, step=7, committed_step=5, preemptions=1)
     journal.add_job("j2", 2, spec().to_json(), "succeeded", 100.0)
+    journal.add_job("j3", 3, spec(gang_id="g2").to_json(), "running", 100.0)
     journal.add_steps("j1", [StepRecord(0, 5.5, 1.0, 1e-3, 0.2, 5000.0, 100.5)])
     runner = JobRunner(controller=None, journal=journal)
-    assert runner.jobs["j1"].state is JobState.FAILED
-    assert runner.jobs["j1"].error == "the controller restarted"
+    j1 = runner.jobs["j1"]
+    assert j1.state is JobState.QUEUED and j1.restarts == 1
+    assert (j1.step, j1.committed_step, j1.preemptions) == (7, 5, 1)
+    assert j1.last.loss == 5.5
     assert runner.jobs["j2"].state is JobState.SUCCEEDED
-    assert runner.jobs["j1"].last.loss == 5.5
-    assert {j["job_id"]: j["state"] for j in journal.jobs()} == {"j1": "failed", "j2": "succeeded"}
+    # A job on a gang its client held cannot continue: that gang died with the controller.
+    assert runner.jobs["j3"].state is JobState.FAILED
+    assert (
+        "gang g2" in runner.jobs["j3"].error and "submit the job again" in runner.jobs["j3"].error
+    )
+    assert {j["job_id"]: (j["state"], j["restarts"]) for j in journal.jobs()} == {
+        "j1": ("queued", 1),
+        "j2": ("succeeded", 0),
+        "j3": ("failed", 0),
+    }
+    assert runner._unfinished == [j1]
+    assert JobRunner(controller=None, journal=journal).jobs["j1"].restarts == 2
+
+
+def test_journal_counters_and_gangs_survive_a_reopen(tmp_path):
+    journal = Journal(tmp_path / "j.sqlite")
+    assert [journal.next_number("gang") for _ in range(3)] == [1, 2, 3]
+    assert journal.next_number("other") == 1
+    journal.add_gang("g1", "alice", ["slice-0", "slice-1"], 100.0)
+    journal.add_gang("g2", "bob", ["slice-2"], 101.0)
+    journal.end_gang("g1", "was released", 102.0)
+    journal.end_gang("g1", "a second end is ignored", 103.0)
+    journal.close()
+
+    again = Journal(tmp_path / "j.sqlite")
+    assert again.next_number("gang") == 4
+    assert again.running_gangs() == [("g2", "bob")]
+    assert again.ended_gangs(10) == [("g1", "was released")]
+    again.end_gang("g2", "was lost", 104.0)
+    assert again.ended_gangs(10) == [("g1", "was released"), ("g2", "was lost")]
+    assert again.ended_gangs(1) == [("g2", "was lost")]
 
 
 MS = 1_000_000  # nanoseconds
