@@ -8,9 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
-import json
 import logging
-import os
 import secrets
 import time
 from collections import Counter
@@ -27,6 +25,7 @@ from controller.hostenv import HostPlacement, simulated_host_env, tpu_host_env
 from controller.inventory import Slice
 from controller.options import DEFAULT_OPTIONS, ControllerOptions
 from slicewise.common.errors import InvalidTransitionError, WorkerError
+from slicewise.common.failpoints import failpoint, worker_env
 from slicewise.common.framing import ChannelError, Pieces
 from slicewise.common.mesh import GangShape, Index
 from slicewise.common.ops import Op, OpResult
@@ -34,20 +33,6 @@ from slicewise.common.topology import SliceType
 from slicewise.common.trace import Span, SpanRecorder
 
 log = logging.getLogger(__name__)
-
-
-def failpoint(name: str) -> float:
-    """Test-only pauses: if SLICEWISE_FAILPOINTS names a JSON file, its value for `name`
-    (e.g. {"reserve_delay_s": 4}: wait that long before reserving, so a test can take a
-    host away mid-reservation). Read on every use, so a test can set and clear it."""
-    path = os.environ.get("SLICEWISE_FAILPOINTS")
-    if not path:
-        return 0.0
-    try:
-        with open(path) as f:
-            return float(json.load(f).get(name, 0.0))
-    except (OSError, ValueError):
-        return 0.0
 
 
 class SliceLostError(WorkerError):
@@ -289,7 +274,7 @@ class Gang:
                     simulated_host_env(placement)
                     if self.simulated
                     else tpu_host_env(placement, head.address)
-                )
+                ) | worker_env()
                 spec = WorkerSpec(
                     worker_name(self.gang_id, self.epoch, placement.process_id),
                     self.gang_id,
