@@ -7,7 +7,7 @@ import logging
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -33,6 +33,9 @@ from slicewise.common.ops import (
     SaveOp,
 )
 from worker.buffers import BufferTable
+
+if TYPE_CHECKING:
+    from worker.checkpoint import QueuedCheckpointer
 
 log = logging.getLogger(__name__)
 
@@ -80,7 +83,7 @@ class JaxRuntime:
         self._devices: list[Any] = []
         # Open checkpoint directories, by (directory, barrier prefix); created by the
         # first checkpoint operation on them (jax.distributed is up by then).
-        self._checkpointers: dict[tuple[str, str], Any] = {}
+        self._checkpointers: dict[tuple[str, str], QueuedCheckpointer] = {}
 
     # -- formation -----------------------------------------------------------------
 
@@ -244,14 +247,14 @@ class JaxRuntime:
 
     # -- checkpoints -----------------------------------------------------------------
 
-    def _checkpointer(self, directory: str, barrier_prefix: str) -> Any:
-        from worker.checkpoint import HostCheckpointer
+    def _checkpointer(self, directory: str, barrier_prefix: str) -> QueuedCheckpointer:
+        from worker.checkpoint import HostCheckpointer, QueuedCheckpointer
 
         key = (directory, barrier_prefix)
         checkpointer = self._checkpointers.get(key)
         if checkpointer is None:
-            checkpointer = self._checkpointers[key] = HostCheckpointer(
-                directory, barrier_prefix=barrier_prefix or None
+            checkpointer = self._checkpointers[key] = QueuedCheckpointer(
+                HostCheckpointer(directory, barrier_prefix=barrier_prefix or None)
             )
         return checkpointer
 
@@ -259,8 +262,16 @@ class JaxRuntime:
         import json
 
         state = [self.buffers.get(h) for h in op.handles]
+        # Queued to the directory's save thread, which holds the arrays until orbax has
+        # copied them to host memory, while this thread runs the next steps. Safe as
+        # long as nothing frees their buffers meanwhile: no program donates its inputs,
+        # and a DeleteOp drops the table's reference, not the buffer.
         self._checkpointer(op.directory, op.barrier_prefix).save(
-            op.step, state, json.loads(op.meta)
+            op.step,
+            state,
+            json.loads(op.meta),
+            max_to_keep=op.max_to_keep or None,
+            keep_steps=op.keep_steps,
         )
 
     def _restore(self, op: RestoreOp) -> None:

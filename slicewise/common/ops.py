@@ -81,8 +81,10 @@ class BatchOp:
 class SaveOp:
     """Start an asynchronous checkpoint of stored arrays (a job's state leaves, in order)
     at `step` into `directory`, with `meta` (a JSON object as text: the data position and
-    whatever else a resume needs). Completes once the arrays are copied to host memory;
-    the commit goes on in the background, and is a marker in storage (see
+    whatever else a resume needs). Completes once the save is queued on the worker's
+    save thread for that directory (which copies the arrays to host memory and commits
+    in the background, in queue order; a failure surfaces at the next save, restore or
+    close of the directory); the commit is a marker in storage (see
     worker/checkpoint.py). Every worker of the gang applies it in sequence order: it
     holds barriers. `barrier_prefix` keeps one job's barriers apart from another's."""
 
@@ -92,6 +94,10 @@ class SaveOp:
     handles: tuple[str, ...]
     meta: str
     barrier_prefix: str = ""
+    # Retention: keep the newest `max_to_keep` committed steps (0: all) and the steps in
+    # `keep_steps`; older ones are deleted as new ones commit.
+    max_to_keep: int = 0
+    keep_steps: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)

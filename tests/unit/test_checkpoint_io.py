@@ -1,9 +1,12 @@
 """worker/checkpoint.py with real orbax writes into a temporary directory, in one process
 with 8 CPU devices (tier b): asynchronous save and commit, restore onto the saving mesh
-and onto other meshes, retention, and partial steps that must never be restored."""
+and onto other meshes, retention, partial steps that must never be restored, and
+compression: off for the steps it saves, steps saved compressed still restore."""
 
 from __future__ import annotations
 
+import json
+import logging
 import shutil
 
 import jax
@@ -15,6 +18,8 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from slicewise.common.checkpoints import COMMIT_FILE
+from slicewise.common.failpoints import ENV_VAR
+from slicewise.testing import wait_until
 from worker.checkpoint import HostCheckpointer, UncommittedStepError
 
 WAIT_S = 120
@@ -177,6 +182,61 @@ def test_a_partial_step_is_never_listed_or_restored(tmp_path):
         reopened.close(timeout=WAIT_S)
 
 
+def test_a_commit_held_by_the_failpoint_leaves_a_partial_step_a_new_save_replaces(
+    tmp_path, monkeypatch, caplog
+):
+    failpoints = tmp_path / "failpoints.json"
+    failpoints.write_text(
+        json.dumps({"save_commit_delay_s": 600, "save_commit_delay_from_step": 2})
+    )
+    monkeypatch.setenv(ENV_VAR, str(failpoints))
+    m = mesh((2, 4), ("data", "model"))
+    state = make_state(m, seed=2)
+    target = target_of(state, {k: v.sharding for k, v in state.items()})
+    root = tmp_path / "ckpt"
+    partial = root / f"2{ocp.path.atomicity_types.TMP_DIR_SUFFIX}"
+    ckpt = HostCheckpointer(root)
+    try:
+        ckpt.save(1, state, {"step": 1})  # before the failpoint's first step: not held
+        assert ckpt.wait_until_committed(timeout=WAIT_S) == 1
+        with caplog.at_level(logging.WARNING, logger="worker.checkpoint"):
+            ckpt.save(2, state, {"step": 2})
+            wait_until(
+                lambda: "checkpoint step 2: failpoint: holding its commit" in caplog.text,
+                timeout_s=WAIT_S,
+                what="the commit of step 2 to be held",
+            )
+        # Held: every shard written, only the commit left.
+        assert ckpt.in_flight == 2
+        assert ckpt.committed_steps() == [1] and not ckpt.is_committed(2)
+        assert not (root / "2").exists() and not (partial / COMMIT_FILE).exists()
+        assert {p.name for p in partial.iterdir()} >= {"state", "meta"}
+        # What a gang killed here leaves behind.
+        shutil.copytree(partial, tmp_path / "killed")
+        failpoints.write_text("{}")  # releases the hold
+        assert ckpt.wait_until_committed(timeout=WAIT_S) == 2
+    finally:
+        ckpt.close(timeout=WAIT_S)
+
+    shutil.rmtree(root / "2")
+    shutil.copytree(tmp_path / "killed", partial)
+    reopened = HostCheckpointer(root)
+    try:
+        assert reopened.committed_steps() == [1]
+        restored, meta = reopened.restore(1, target)
+        assert meta == {"step": 1}
+        assert_bitwise(restored["w"], np.asarray(state["w"]))
+        reopened.save(2, state, {"step": 2})
+        assert reopened.wait_until_committed(timeout=WAIT_S) == 2
+        assert reopened.committed_steps() == [1, 2]
+        assert not partial.exists()
+        restored, meta = reopened.restore(2, target)
+        assert meta == {"step": 2}
+        assert_bitwise(restored["w"], np.asarray(state["w"]))
+    finally:
+        reopened.close(timeout=WAIT_S)
+
+
 def test_bfloat16_and_int32_round_trip_exactly(ckpt):
     m = mesh((2, 4), ("data", "model"))
     rng = np.random.default_rng(11)
@@ -209,3 +269,36 @@ def test_restore_refuses_a_target_without_shardings(ckpt):
     bare = {k: jax.ShapeDtypeStruct(v.shape, v.dtype) for k, v in state.items()}
     with pytest.raises(ValueError, match="has no sharding"):
         ckpt.restore(2, bare)
+
+
+def test_state_is_saved_uncompressed_and_steps_saved_compressed_still_restore(tmp_path):
+    m = mesh((2, 4), ("data", "model"))
+    state = make_state(m, seed=5)
+    state["zeros"] = jax.device_put(np.zeros((64, 1024), np.float32), NamedSharding(m, P("data")))
+    target = target_of(state, {k: v.sharding for k, v in state.items()})
+    root = tmp_path / "ckpt"
+    # Step 1 as the checkpointer wrote it before: orbax's standard handler, which
+    # compresses every array with zstd.
+    before = ocp.CheckpointManager(root, item_names=("state", "meta"))
+    before.save(
+        1, args=ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(META))
+    )
+    before.wait_until_finished()
+    before.close()
+    ckpt = HostCheckpointer(root)
+    try:
+        ckpt.save(2, state, META)
+        ckpt.wait_until_committed(timeout=WAIT_S)
+        for step in (1, 2):
+            restored, meta = ckpt.restore(step, target)
+            assert meta == META
+            for k, v in state.items():
+                assert_bitwise(restored[k], np.asarray(v))
+    finally:
+        ckpt.close(timeout=WAIT_S)
+
+    def stored_bytes(step: int) -> int:
+        return sum(p.stat().st_size for p in (root / str(step) / "state").rglob("*") if p.is_file())
+
+    # 256 KiB of zeros: a few bytes compressed, all of them not.
+    assert stored_bytes(1) < 64 * 1024 < 256 * 1024 < stored_bytes(2)
