@@ -18,9 +18,17 @@ def save_steps(first: int, last: int, every: int) -> list[int]:
     return [s for s in range(first + 1, last + 1) if s % every == 0 or s == last]
 
 
-def resume_step(committed: Iterable[int], journalled: int | None, steps: int) -> int | None:
+def resume_step(
+    committed: Iterable[int],
+    journalled: int | None,
+    steps: int,
+    recorded: int | None = None,
+) -> int | None:
     """Where a job of `steps` steps starts: the newest committed step in storage that is
-    not past its end (None: from the initial state).
+    not past its end (None: from the initial state). A job that was interrupted gives
+    `recorded`, the steps whose metrics it has recorded: it prefers a step no later than
+    that (the steps after it run again, and record their metrics), and takes a later one
+    only when storage holds nothing earlier (retention may have deleted it).
 
     Raises:
         FailedPreconditionError: the journal names a committed step that storage no
@@ -33,6 +41,8 @@ def resume_step(committed: Iterable[int], journalled: int | None, steps: int) ->
             f"the journal records checkpoint step {journalled} as committed, but its "
             f"directory no longer holds it (committed there: {held or 'none'})"
         )
+    if recorded is not None and any(s <= recorded for s in held):
+        return max(s for s in held if s <= recorded)
     return held[-1] if held else None
 
 

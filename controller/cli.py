@@ -131,6 +131,9 @@ def _train(args: argparse.Namespace) -> int:
                 ici=ici,
                 checkpoint_every=args.checkpoint_every,
                 checkpoint_dir=args.checkpoint_dir,
+                keep_checkpoints=args.keep_checkpoints,
+                keep_steps=args.keep_step,
+                max_failures=args.max_failures,
             )
         except SlicewiseError as exc:
             print(f"slicewise train: {exc}", file=sys.stderr)
@@ -149,6 +152,20 @@ def _train(args: argparse.Namespace) -> int:
 def _watch(args: argparse.Namespace) -> int:
     with _connect(args, "watch") as client:
         return _follow_job(client, args.job, True if args.plain else None, args.reconnect)
+
+
+def _keep(args: argparse.Namespace) -> int:
+    from controller.jobview import checkpoint
+    from slicewise.common.errors import SlicewiseError
+
+    with _connect(args, "keep") as client:
+        try:
+            job = client.keep_checkpoint(args.job, args.step)
+        except SlicewiseError as exc:
+            print(f"slicewise keep: {exc}", file=sys.stderr)
+            return 1
+    print(f"{job.job_id}: step {args.step} will be kept; {checkpoint(job)}")
+    return 0
 
 
 def _cancel(args: argparse.Namespace) -> int:
@@ -352,6 +369,27 @@ def build_parser() -> argparse.ArgumentParser:
         "holds committed steps, the job resumes from the newest",
     )
     p.add_argument(
+        "--max-failures",
+        type=int,
+        metavar="N",
+        help="gang failures (a worker or host lost) the job recovers from by itself, "
+        "from its newest committed checkpoint, before it fails (default: 3)",
+    )
+    p.add_argument(
+        "--keep-checkpoints",
+        type=int,
+        metavar="K",
+        help="keep the newest K committed checkpoints (default: 3; 0 keeps all)",
+    )
+    p.add_argument(
+        "--keep-step",
+        type=int,
+        action="append",
+        default=[],
+        metavar="STEP",
+        help="also keep this checkpoint step (repeatable; later: slicewise keep JOB STEP)",
+    )
+    p.add_argument(
         "--checkpoint-every",
         type=int,
         default=None,
@@ -371,6 +409,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout", type=float, default=10.0)
     _reconnect_flag(p)
     p.set_defaults(func=_watch)
+
+    p = sub.add_parser(
+        "keep", help="keep a job's checkpoint step beyond its newest --keep-checkpoints"
+    )
+    p.add_argument("job")
+    p.add_argument("step", type=int, help="a committed step still held, or one it will save")
+    p.add_argument("--controller", default=DEFAULT_ADDRESS, metavar="ADDR")
+    p.add_argument("--timeout", type=float, default=10.0)
+    p.set_defaults(func=_keep)
 
     p = sub.add_parser("cancel", help="stop a job and free its slices")
     p.add_argument("job")

@@ -457,16 +457,22 @@ class Controller:
         step: int,
         meta: str,
         barrier_prefix: str = "",
+        *,
+        max_to_keep: int = 0,
+        keep_steps: Sequence[int] = (),
     ) -> Ticket:
         """Queues an asynchronous checkpoint of arrays at `step` (see SaveOp): the ticket
-        is done when the workers have copied them out, not when the step is committed
+        is done when the workers have queued the save, not when the step is committed
         (that is a marker in storage, see controller/checkpoints.py)."""
         gang, client = self.manager.resolve(gang_id)
         records = [self.arrays.get(h) for h in handles]
+        keep = tuple(sorted(keep_steps))
         return self._submit(
             gang,
             client,
-            lambda seq: SaveOp(seq, directory, step, tuple(handles), meta, barrier_prefix),
+            lambda seq: SaveOp(
+                seq, directory, step, tuple(handles), meta, barrier_prefix, max_to_keep, keep
+            ),
             needs=records,
         )
 

@@ -2,7 +2,9 @@
 allowed state changes (the job runner that drives it is jobs.py).
 
     QUEUED -> ADMITTED -> STARTING -> RUNNING -> SUCCEEDED | FAILED | CANCELLED, and
-    back to QUEUED when its gang is preempted (it resumes from its last checkpoint).
+    back to QUEUED when its gang is preempted (it resumes from its last checkpoint);
+    RUNNING or STARTING -> RECOVERING -> STARTING when its gang fails under it (a new
+    gang, the newest committed step restored), until its failure budget is spent.
 """
 
 from __future__ import annotations
@@ -25,6 +27,10 @@ log = logging.getLogger(__name__)
 
 # Checkpoint every this many steps unless the submitter says otherwise (0: never).
 DEFAULT_CHECKPOINT_EVERY = 50
+# Keep this many of the newest committed checkpoints, plus the marked steps (0: all).
+DEFAULT_KEEP_CHECKPOINTS = 3
+# Gang failures a job recovers from before it fails (preemptions do not count).
+DEFAULT_MAX_FAILURES = 3
 
 # Mesh axis names and the parallelism they carry.
 DATA_AXIS, FSDP_AXIS, TENSOR_AXIS = "data", "fsdp", "tensor"
@@ -49,7 +55,13 @@ _ALLOWED: dict[JobState, set[JobState]] = {
     JobState.QUEUED: {JobState.ADMITTED, JobState.FAILED, JobState.CANCELLED},
     JobState.ADMITTED: {JobState.STARTING, JobState.FAILED, JobState.CANCELLED},
     # -> QUEUED: its gang was preempted; it waits to be re-admitted.
-    JobState.STARTING: {JobState.RUNNING, JobState.FAILED, JobState.CANCELLED, JobState.QUEUED},
+    JobState.STARTING: {
+        JobState.RUNNING,
+        JobState.FAILED,
+        JobState.CANCELLED,
+        JobState.QUEUED,
+        JobState.RECOVERING,
+    },
     JobState.RUNNING: {
         JobState.SUCCEEDED,
         JobState.FAILED,
@@ -82,6 +94,12 @@ class JobSpec:
     checkpoint_every: int = DEFAULT_CHECKPOINT_EVERY
     # Where (a directory or bucket path); "" until the runner picks the default.
     checkpoint_dir: str = ""
+    # The newest committed checkpoints kept (0: all), and steps kept whatever that says
+    # (more can be marked while the job runs: Job.keep_steps).
+    keep_checkpoints: int = DEFAULT_KEEP_CHECKPOINTS
+    keep_steps: tuple[int, ...] = ()
+    # Failures of its gang (a worker or host lost) it recovers from; then it fails.
+    max_failures: int = DEFAULT_MAX_FAILURES
 
     def __post_init__(self) -> None:
         if self.checkpoint_every < 0:
@@ -97,6 +115,16 @@ class JobSpec:
                 "(the controller and the workers do not share your working directory) or a "
                 "bucket URL"
             )
+        if self.max_failures < 0:
+            raise InvalidRequestError(
+                f"max_failures must be >= 0 (0: fail at the first), got {self.max_failures}"
+            )
+        if self.keep_checkpoints < 0:
+            raise InvalidRequestError(
+                f"keep_checkpoints must be >= 0 (0 keeps all), got {self.keep_checkpoints}"
+            )
+        for step in self.keep_steps:
+            check_keep_step(step, self.steps)
         if self.steps < 1:
             raise InvalidRequestError(f"steps must be at least 1, got {self.steps}")
         if self.num_slices < 1:
@@ -131,6 +159,9 @@ class JobSpec:
             "gang_id": self.gang_id,
             "checkpoint_every": self.checkpoint_every,
             "checkpoint_dir": self.checkpoint_dir,
+            "keep_checkpoints": self.keep_checkpoints,
+            "keep_steps": list(self.keep_steps),
+            "max_failures": self.max_failures,
         }
 
 
@@ -163,6 +194,11 @@ class Job:
     resumed_from: int | None = None
     # Times a controller restart found it unfinished and started it again.
     restarts: int = 0
+    # Times its gang failed under it and it recovered (or tried to).
+    failures: int = 0
+    # Checkpoint steps kept beyond the newest `spec.keep_checkpoints`: the spec's and
+    # those marked since (journalled; every save tells the workers).
+    keep_steps: set[int] = field(default_factory=set)
     # Set when the controller stops: the job saves what it reached by `stop_deadline`
     # (time.monotonic()) and stops, unfinished, for the next controller to continue.
     interrupted: bool = False
@@ -209,4 +245,18 @@ def _spec_from_json(data: Mapping[str, Any]) -> JobSpec:
         # Jobs journalled before checkpoints existed never saved any.
         data.get("checkpoint_every", 0),
         data.get("checkpoint_dir", ""),
+        # Jobs journalled before retention existed kept every checkpoint.
+        data.get("keep_checkpoints", 0),
+        tuple(data.get("keep_steps", ())),
+        data.get("max_failures", DEFAULT_MAX_FAILURES),
     )
+
+
+def check_keep_step(step: int, steps: int) -> None:
+    """Raises InvalidRequestError unless `step` can be a checkpoint of a job of `steps`
+    steps (a checkpoint step counts the steps done: 1 to `steps`)."""
+    if not 1 <= step <= steps:
+        raise InvalidRequestError(
+            f"checkpoint step {step} cannot be kept: a job of {steps} steps saves steps 1 "
+            f"to {steps}"
+        )

@@ -115,10 +115,13 @@ def summary(job: pb.JobInfo, steps: list[pb.StepMetrics]) -> str:
     text += f"; {checkpoint(job)}"
     if job.preemptions:
         text += f"; preempted {job.preemptions} time{'s' if job.preemptions > 1 else ''}"
+    if job.failures:
+        text += f"; recovered from {job.failures} gang failure"
+        text += "s" if job.failures > 1 else ""
     if job.restarts:
         text += f"; continued after {job.restarts} controller restart"
         text += "s" if job.restarts > 1 else ""
-    if (job.preemptions or job.restarts) and job.HasField("resumed_from_step"):
+    if (job.preemptions or job.restarts or job.failures) and job.HasField("resumed_from_step"):
         text += f", resumed from step {job.resumed_from_step}"
     if job.error:
         text += f"; error: {job.error}"
@@ -132,7 +135,11 @@ def checkpoint(job: pb.JobInfo) -> str:
     else:
         text = "no committed checkpoint"
     if job.checkpoint_every:
-        text += f" (every {job.checkpoint_every} steps, in {job.checkpoint_dir})"
+        kept = f"the newest {job.keep_checkpoints}" if job.keep_checkpoints else "all"
+        if job.keep_steps:
+            kept += f" and step{'s' if len(job.keep_steps) > 1 else ''} "
+            kept += ", ".join(map(str, job.keep_steps))
+        text += f" (every {job.checkpoint_every} steps, keeping {kept}, in {job.checkpoint_dir})"
     elif job.checkpoint_dir:
         text += f" (checkpoints off; directory {job.checkpoint_dir})"
     return text

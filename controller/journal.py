@@ -60,6 +60,8 @@ _ADDED_JOB_COLUMNS = {
     "preemptions": "INTEGER NOT NULL DEFAULT 0",
     "resumed_from_step": "INTEGER",
     "restarts": "INTEGER NOT NULL DEFAULT 0",
+    "failures": "INTEGER NOT NULL DEFAULT 0",
+    "keep_steps": "TEXT NOT NULL DEFAULT '[]'",  # JSON: checkpoint steps marked to keep
 }
 
 
@@ -173,6 +175,8 @@ class Journal:
             "preemptions",
             "resumed_from_step",
             "restarts",
+            "failures",
+            "keep_steps",
         }
         unknown = set(fields) - allowed
         if unknown:
@@ -221,5 +225,6 @@ class Journal:
         for row in rows:
             record = dict(zip(names, row, strict=True))
             record["spec"] = json.loads(record["spec"])
+            record["keep_steps"] = json.loads(record["keep_steps"])
             out.append(record)
         return out

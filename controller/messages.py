@@ -65,6 +65,10 @@ def job_to_pb(job: Job) -> pb.JobInfo:
         info.committed_step = job.committed_step
     info.preemptions = job.preemptions
     info.restarts = job.restarts
+    info.failures = job.failures
+    info.max_failures = job.spec.max_failures
+    info.keep_checkpoints = job.spec.keep_checkpoints
+    info.keep_steps.extend(sorted(job.keep_steps))
     if job.resumed_from is not None:
         info.resumed_from_step = job.resumed_from
     if job.mesh is not None:

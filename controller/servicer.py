@@ -20,7 +20,12 @@ import numpy as np
 from controller import messages, metrics
 from controller.core import VERSION, Controller
 from controller.gang import Gang, worker_name
-from controller.job import DEFAULT_CHECKPOINT_EVERY, JobSpec
+from controller.job import (
+    DEFAULT_CHECKPOINT_EVERY,
+    DEFAULT_KEEP_CHECKPOINTS,
+    DEFAULT_MAX_FAILURES,
+    JobSpec,
+)
 from controller.jobs import JobRunner
 from controller.logs import set_log_context
 from protos import controller_pb2 as pb
@@ -418,6 +423,15 @@ class ControllerServicer(pb_grpc.ControllerServicer):
                 else DEFAULT_CHECKPOINT_EVERY
             ),
             checkpoint_dir=request.checkpoint_dir,
+            keep_checkpoints=(
+                request.keep_checkpoints
+                if request.HasField("keep_checkpoints")
+                else DEFAULT_KEEP_CHECKPOINTS
+            ),
+            keep_steps=tuple(sorted(set(request.keep_steps))),
+            max_failures=(
+                request.max_failures if request.HasField("max_failures") else DEFAULT_MAX_FAILURES
+            ),
         )
         return messages.job_to_pb(self.jobs.submit(spec))
 
@@ -432,6 +446,10 @@ class ControllerServicer(pb_grpc.ControllerServicer):
     @_unary
     async def CancelJob(self, request: pb.CancelJobRequest, context: Any) -> pb.JobInfo:
         return messages.job_to_pb(self.jobs.cancel(request.job_id))
+
+    @_unary
+    async def KeepCheckpoint(self, request: pb.KeepCheckpointRequest, context: Any) -> pb.JobInfo:
+        return messages.job_to_pb(await self.jobs.keep(request.job_id, request.step))
 
     @_streaming
     async def WatchJob(

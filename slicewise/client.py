@@ -125,6 +125,9 @@ class Client:
         gang: Gang | None = None,
         checkpoint_every: int | None = None,
         checkpoint_dir: str = "",
+        keep_checkpoints: int | None = None,
+        keep_steps: Sequence[int] = (),
+        max_failures: int | None = None,
     ) -> pb.JobInfo:
         """Submits a training job of an installed program; returns at once (it queues).
         It runs on `slices` slices of `slice_type` allocated for it, or on `gang`, one
@@ -133,7 +136,11 @@ class Client:
         It saves a checkpoint after every `checkpoint_every` steps (None: the
         controller's default, 50; 0: never) and after the last, into `checkpoint_dir`
         ("": a directory of its own under the controller's state directory). A job
-        whose directory already holds committed steps resumes after the newest."""
+        whose directory already holds committed steps resumes after the newest. It keeps
+        the newest `keep_checkpoints` committed steps (None: the controller's default,
+        3; 0: all) and the steps in `keep_steps` (more: `keep_checkpoint`). When a
+        worker or host of its gang is lost it recovers by itself (a new gang, the newest
+        committed step restored), up to `max_failures` times (None: 3)."""
         request = pb.SubmitJobRequest(
             program=program,
             num_slices=slices,
@@ -148,10 +155,19 @@ class Client:
                 if not checkpoint_dir or "://" in checkpoint_dir
                 else os.path.abspath(checkpoint_dir)
             ),
+            keep_checkpoints=keep_checkpoints,
+            keep_steps=list(keep_steps),
+            max_failures=max_failures,
         )
         if dcn or ici:
             request.mesh.CopyFrom(wire.mesh_to_pb(MeshSpec.build(dcn, ici)))
         return _call(self.stub.SubmitJob, request, timeout=60)
+
+    def keep_checkpoint(self, job_id: str, step: int) -> pb.JobInfo:
+        """Keeps checkpoint `step` of the job (a committed step it still holds, or one it
+        will save) beyond its newest `keep_checkpoints`."""
+        request = pb.KeepCheckpointRequest(job_id=job_id, step=step)
+        return _call(self.stub.KeepCheckpoint, request, timeout=60)
 
     def job(self, job_id: str) -> pb.JobInfo:
         return _call(self.stub.GetJob, pb.GetJobRequest(job_id=job_id), timeout=30)

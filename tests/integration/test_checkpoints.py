@@ -6,12 +6,13 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import threading
 
 import pytest
 
 from controller.jobview import TERMINAL
 from protos import controller_pb2 as pb
-from slicewise.common.checkpoints import COMMIT_FILE
+from slicewise.common.checkpoints import COMMIT_FILE, committed_steps
 from slicewise.testing import wait_until
 
 pytestmark = pytest.mark.integration
@@ -45,12 +46,28 @@ def finished(client, job_id: str) -> tuple[pb.JobInfo, list[pb.StepMetrics]]:
     return done, list(client.job_metrics(job_id).steps)
 
 
-def run_job(client, steps: int, **kwargs) -> tuple[pb.JobInfo, list[pb.StepMetrics]]:
-    """Runs a 2 x v5litepod-4 `lm` job to its end; returns its info and its steps."""
-    job = client.submit_job(
+def submit_lm(client, steps: int, **kwargs) -> pb.JobInfo:
+    """Submits an `lm` job of CONFIG on 2 x v5litepod-4 (other settings: `kwargs`)."""
+    return client.submit_job(
         "lm", slices=2, slice_type="v5litepod-4", steps=steps, overrides=CONFIG, **kwargs
     )
-    return finished(client, job.job_id)
+
+
+def run_job(client, steps: int, **kwargs) -> tuple[pb.JobInfo, list[pb.StepMetrics]]:
+    """Runs a 2 x v5litepod-4 `lm` job to its end; returns its info and its steps."""
+    return finished(client, submit_lm(client, steps, **kwargs).job_id)
+
+
+def watch_messages(client, job_id: str) -> tuple[threading.Thread, list[str]]:
+    """Follows the job's event stream in a thread; returns it and the list its events'
+    messages are appended to (join the thread once the job has ended)."""
+    messages: list[str] = []
+    watcher = threading.Thread(
+        target=lambda: messages.extend(e.message for e in client.watch_job(job_id)),
+        daemon=True,
+    )
+    watcher.start()
+    return watcher, messages
 
 
 def cli(controller, *args, cwd=None) -> str:
@@ -129,4 +146,34 @@ def test_a_job_on_the_same_directory_resumes_with_the_uninterrupted_losses(
         f"largest difference {max(differences.values()):.3e}"
     )
     assert resumed.committed_step == RESUMED
-    assert sorted(int(p.name) for p in directory.iterdir()) == [10, 20, 25, 30, 35]
+    # The newest three are kept (the default), the first job's older steps included.
+    assert resumed.keep_checkpoints == 3
+    assert sorted(int(p.name) for p in directory.iterdir()) == [25, 30, 35]
+
+
+def test_a_job_keeps_its_newest_k_checkpoints_and_the_marked_steps(controller, client, tmp_path):
+    directory = tmp_path / "kept"
+    done, _ = run_job(
+        client,
+        25,
+        checkpoint_every=5,
+        checkpoint_dir=str(directory),
+        keep_checkpoints=2,
+        keep_steps=[10],
+    )
+    assert (done.keep_checkpoints, list(done.keep_steps)) == (2, [10])
+    assert committed_steps(directory) == [10, 20, 25]
+    assert sorted(int(p.name) for p in directory.iterdir()) == [10, 20, 25]
+    assert "keeping the newest 2 and step 10" in cli(controller, "jobs", done.job_id)
+    # A held step can be marked afterwards; a deleted one cannot, and it says why.
+    assert "step 20 will be kept" in cli(controller, "keep", done.job_id, "20")
+    refused = subprocess.run(
+        [sys.executable, "-P", "-m", "controller.cli", "keep", done.job_id, "15"]
+        + ["--controller", controller.address],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert refused.returncode == 1
+    assert "holds no checkpoint of step 15" in refused.stderr
+    assert list(client.job(done.job_id).keep_steps) == [10, 20]

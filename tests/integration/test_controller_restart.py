@@ -23,7 +23,7 @@ from slicewise.common.checkpoints import committed_steps
 from slicewise.launch import ControllerProcess
 from slicewise.testing import wait_until
 from tests.integration.conftest import _LOG_OF, _LOGS
-from tests.integration.test_checkpoints import CONFIG, finished, run_job
+from tests.integration.test_checkpoints import finished, run_job, submit_lm
 
 pytestmark = pytest.mark.integration
 
@@ -108,12 +108,9 @@ def interrupted_run(restartable: Restartable, how: signal.Signals, tmp_path: Pat
     print(f"seed {seed}: the controller goes once step {at} is done ({how.name})")
     first = restartable.start()
     with slicewise.connect(first.address, name="restart-test") as client:
-        job = client.submit_job(
-            "lm",
-            slices=2,
-            slice_type="v5litepod-4",
-            steps=STEPS,
-            overrides=CONFIG,
+        job = submit_lm(
+            client,
+            STEPS,
             checkpoint_every=EVERY,
         )
         assert job.job_id == "j1"
@@ -145,14 +142,7 @@ def interrupted_run(restartable: Restartable, how: signal.Signals, tmp_path: Pat
             with slicewise.connect(second.address, name="restart-test") as again:
                 done, steps = finished(again, job.job_id)
                 # Ids go on counting: an old id never names a new object.
-                fresh = again.submit_job(
-                    "lm",
-                    slices=2,
-                    slice_type="v5litepod-4",
-                    steps=1,
-                    overrides=CONFIG,
-                    checkpoint_every=0,
-                )
+                fresh = submit_lm(again, 1, checkpoint_every=0)
                 assert fresh.job_id == "j2"
                 finished(again, fresh.job_id)
                 with pytest.raises(grpc.RpcError) as lost:

@@ -18,7 +18,7 @@ from protos import controller_pb2 as pb
 from slicewise.common.checkpoints import COMMIT_FILE, committed_steps
 from slicewise.testing import wait_until
 from tests.integration.conftest import controller_log, start_controller
-from tests.integration.test_checkpoints import CONFIG, cli, finished, run_job
+from tests.integration.test_checkpoints import cli, finished, run_job, submit_lm, watch_messages
 
 pytestmark = pytest.mark.integration
 
@@ -62,21 +62,14 @@ def preempted_run(controller, client, directory, at: int):
     """Runs the checkpointed job; once it has done step `at`, a second client takes its
     slices with a higher priority, holds them until the job is seen waiting, and lets
     go. Returns the job's final info, its steps and the messages of its event stream."""
-    job = client.submit_job(
-        "lm",
-        slices=2,
-        slice_type="v5litepod-4",
-        steps=STEPS,
-        overrides=CONFIG,
+    job = submit_lm(
+        client,
+        STEPS,
         checkpoint_every=EVERY,
         checkpoint_dir=str(directory),
+        keep_checkpoints=0,  # every step it saved stays, for the checks on storage
     )
-    messages: list[str] = []
-    watcher = threading.Thread(
-        target=lambda: messages.extend(e.message for e in client.watch_job(job.job_id)),
-        daemon=True,
-    )
-    watcher.start()
+    watcher, messages = watch_messages(client, job.job_id)
     wait_until(
         lambda: client.job(job.job_id).step >= at,
         timeout_s=300,

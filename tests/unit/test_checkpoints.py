@@ -72,6 +72,16 @@ def test_a_job_resumes_from_the_newest_committed_step_within_its_steps():
         resume_step([10], 20, 25)
 
 
+def test_an_interrupted_job_resumes_no_later_than_its_recorded_steps_when_it_can():
+    # Recorded metrics up to step 23; 20 and 24 committed: from 20, so 20-23 run again
+    # and record their metrics rather than leave a gap.
+    assert resume_step([10, 20, 24], 24, 40, recorded=23) == 20
+    assert resume_step([10, 20, 24], 24, 40, recorded=24) == 24
+    # Retention deleted everything up to the recorded step: the newest held it is.
+    assert resume_step([24, 30], 30, 40, recorded=23) == 30
+    assert resume_step([], None, 40, recorded=23) is None
+
+
 def test_a_job_told_to_yield_saves_the_step_it_reached_unless_saved_already():
     assert yield_save(17, [10]) == 17
     assert yield_save(20, [10, 20]) is None  # its periodic save is queued or committed
@@ -90,6 +100,43 @@ def test_checkpoint_settings_are_checked_and_kept(tmp_path):
     assert _spec_from_json(kept.to_json()) == kept
     old = {k: v for k, v in kept.to_json().items() if not k.startswith("checkpoint")}
     assert _spec_from_json(old).checkpoint_every == 0  # journalled before checkpoints
+
+
+def test_retention_settings_are_checked_and_journalled(tmp_path):
+    assert spec().keep_checkpoints == 3
+    with pytest.raises(InvalidRequestError, match="keep_checkpoints must be >= 0"):
+        spec(keep_checkpoints=-1)
+    with pytest.raises(InvalidRequestError, match="saves steps 1 to 25"):
+        spec(keep_steps=(26,))
+    kept = spec(keep_checkpoints=0, keep_steps=(5, 20), checkpoint_dir=str(tmp_path))
+    assert _spec_from_json(kept.to_json()) == kept
+    old = {k: v for k, v in kept.to_json().items() if not k.startswith("keep")}
+    assert _spec_from_json(old).keep_checkpoints == 0  # journalled before retention
+
+
+def test_a_checkpoint_step_can_be_marked_to_keep_if_it_is_held_or_coming(tmp_path):
+    directory = tmp_path / "ckpt"
+    commit(directory, 10)
+    journal = Journal(tmp_path / "j.sqlite")
+    job_spec = spec(checkpoint_every=10, checkpoint_dir=str(directory))
+    journal.add_job("j1", 1, job_spec.to_json(), "running", 1.0)
+    journal.update_job("j1", 2.0, step=12)
+    runner = JobRunner(controller=None, journal=journal)
+    job = runner.jobs["j1"]
+
+    async def marks():
+        await runner.keep("j1", 10)  # committed and held
+        await runner.keep("j1", 20)  # to be saved
+        await runner.keep("j1", 25)  # its last step is always saved
+        with pytest.raises(FailedPreconditionError, match="will not save one"):
+            await runner.keep("j1", 15)
+        with pytest.raises(InvalidRequestError, match="saves steps 1 to 25"):
+            await runner.keep("j1", 0)
+
+    asyncio.run(marks())
+    assert job.keep_steps == {10, 20, 25}
+    again = JobRunner(controller=None, journal=journal)  # journalled
+    assert again.jobs["j1"].keep_steps == {10, 20, 25}
 
 
 OLD_SCHEMA = """
