@@ -63,6 +63,7 @@ from controller.job import (
     JobSpec,
     JobState,
     _spec_from_json,
+    check_keep_step,
 )
 from controller.journal import Journal, StepRecord
 from controller.logs import set_log_context
@@ -117,6 +118,8 @@ class JobRunner:
                 preemptions=record["preemptions"],
                 resumed_from=record["resumed_from_step"],
                 restarts=record["restarts"],
+                failures=record["failures"],
+                keep_steps={*spec.get("keep_steps", ()), *record["keep_steps"]},
             )
             job.recent.extend(journal.steps(job.job_id, since=max(0, job.step - 200)))
             self.jobs[job.job_id] = job
@@ -173,7 +176,7 @@ class JobRunner:
         job_id = f"j{self._next}"
         if not spec.checkpoint_dir:
             spec = dataclasses.replace(spec, checkpoint_dir=str(self.checkpoint_root / job_id))
-        job = Job(job_id, spec)
+        job = Job(job_id, spec, keep_steps=set(spec.keep_steps))
         self._next += 1
         self.jobs[job.job_id] = job
         self.journal.add_job(
@@ -210,6 +213,41 @@ class JobRunner:
             raise NotFoundError(
                 f"job {job_id!r} is unknown to this controller; `slicewise jobs` lists the jobs"
             )
+        return job
+
+    async def keep(self, job_id: str, step: int) -> Job:
+        """Marks checkpoint `step` of the job to keep beyond its newest
+        `keep_checkpoints`: a committed step it still holds, or one it will save. The
+        mark is journalled and goes to the workers with the job's next save (they delete
+        old steps only when a save commits).
+
+        Raises:
+            InvalidRequestError: no job of its length has such a step.
+            FailedPreconditionError: the step is gone already, or will never be saved.
+        """
+        job = self.get(job_id)
+        check_keep_step(step, job.spec.steps)
+        if step not in job.keep_steps:
+            held = await asyncio.to_thread(committed_steps, job.spec.checkpoint_dir)
+            coming = (
+                set()
+                if job.state.terminal
+                else {
+                    *save_steps(job.step, job.spec.steps, job.spec.checkpoint_every),
+                    *(s for s, _ in job.saving),
+                }
+            )
+            if step not in held and step not in coming:
+                raise FailedPreconditionError(
+                    f"job {job_id} holds no checkpoint of step {step} and will not save one "
+                    f"(committed and held: {held or 'none'}; it saves every "
+                    f"{job.spec.checkpoint_every} steps and its last)"
+                )
+            job.keep_steps.add(step)
+            self.journal.update_job(
+                job.job_id, time.time(), keep_steps=json.dumps(sorted(job.keep_steps))
+            )
+            log.info("job %s: checkpoint step %d marked to keep", job.job_id, step)
         return job
 
     def cancel(self, job_id: str) -> Job:
@@ -288,28 +326,41 @@ class JobRunner:
         events = None
         owned = not job.spec.gang_id  # a gang the job allocated is released with it
         try:
-            if owned:
-                gang, _ = await self.controller.allocate(
-                    job.spec.num_slices, job.spec.slice_type, client=f"job {job.job_id}"
-                )
-            else:
-                gang = self.controller.manager.get(job.spec.gang_id)
-            events = gang.watch()
-            job.gang_id = gang.gang_id
-            set_log_context(gang=gang.gang_id)
-            self._move(
-                job,
-                JobState.ADMITTED,
-                f"gang {gang.gang_id}: {', '.join(s.name for s in gang.slices)}",
-            )
             while True:
+                if gang is None:  # the first start, or a recovery
+                    if owned:
+                        gang, _ = await self.controller.allocate(
+                            job.spec.num_slices, job.spec.slice_type, client=f"job {job.job_id}"
+                        )
+                    else:
+                        gang = self.controller.manager.get(job.spec.gang_id)
+                    events = gang.watch()
+                    job.gang_id = gang.gang_id
+                    set_log_context(gang=gang.gang_id)
+                    if job.state is not JobState.RECOVERING:
+                        self._move(
+                            job,
+                            JobState.ADMITTED,
+                            f"gang {gang.gang_id}: {', '.join(s.name for s in gang.slices)}",
+                        )
                 self._move(job, JobState.STARTING)
                 epoch = gang.epoch
-                if await self._train(job, gang, epoch):
-                    break
+                try:
+                    if await self._train(job, gang, epoch):
+                        break
+                except Exception as exc:
+                    cause = self._recoverable(job, gang, exc)
+                    if cause is None:
+                        raise
+                    assert events is not None
+                    gang.unwatch(events)
+                    await self._recover(job, gang, cause)
+                    gang = events = None
+                    continue
                 if job.interrupted:
                     self._stopped_with_controller(job)
                     return
+                assert events is not None
                 await self._yield(job, gang, epoch)
                 await self._wait_resumed(job, gang, epoch, events)
                 self._move(
@@ -336,6 +387,49 @@ class JobRunner:
                 await self.controller.release(
                     gang.gang_id, why=f"was released by job {job.job_id} ({job.state.value})"
                 )
+
+    def _recoverable(self, job: Job, gang: Gang, exc: Exception) -> str | None:
+        """What broke the job's gang under it, if the job recovers from that: a worker or
+        host of a gang the job allocated was lost. None: the job fails (its own error, a
+        cancel, a stopping controller, or its client's gang).
+
+        Raises:
+            FailedPreconditionError: it would recover, but its failure budget is spent.
+        """
+        if job.cancel_requested or job.interrupted or job.spec.gang_id:
+            return None
+        if gang.state is not GangState.FAILED:
+            return None
+        cause = gang.why or str(exc)
+        if job.failures >= job.spec.max_failures:
+            raise FailedPreconditionError(
+                f"its gang failed and its failure budget is spent ({job.failures} of "
+                f"{job.spec.max_failures} recoveries used; --max-failures): {cause}"
+            ) from exc
+        return cause
+
+    async def _recover(self, job: Job, gang: Gang, cause: str) -> None:
+        """Moves the job to RECOVERING and lets go of its failed gang (every worker of
+        it, and with them its jax.distributed cluster); `_run` then takes a new gang
+        and restores the newest committed step, as a preempted job does."""
+        job.failures += 1
+        self.journal.update_job(job.job_id, time.time(), failures=job.failures)
+        since = (
+            "nothing committed yet"
+            if job.committed_step is None
+            else (f"newest committed step {job.committed_step}")
+        )
+        self._move(
+            job,
+            JobState.RECOVERING,
+            f"gang {gang.gang_id} failed at step {job.step}: {cause}; recovering "
+            f"({job.failures}/{job.spec.max_failures}): a new gang, then {since}",
+        )
+        job.saving.clear()  # saves queued on the failed gang never finish
+        if gang.gang_id in self.controller.gangs:
+            await self.controller.release(
+                gang.gang_id, why=f"failed under job {job.job_id}, which recovers on a new one"
+            )
 
     def _stopped_with_controller(self, job: Job) -> None:
         resume = (
@@ -486,9 +580,8 @@ class JobRunner:
         # After a preemption or a controller restart, from no later than the last step
         # recorded: steps after it ran on the old gang, but their metrics were lost with
         # it, so they run again.
-        interrupted = bool(job.preemptions or job.restarts)
-        limit = min(spec.steps, job.step) if interrupted else spec.steps
-        start = resume_step(held, job.committed_step, limit)
+        interrupted = bool(job.preemptions or job.restarts or job.failures)
+        start = resume_step(held, job.committed_step, spec.steps, job.step if interrupted else None)
         if start is None:
             key = np.asarray(jax.random.PRNGKey(program.seed(config)))
             key_record = await c.put_array(gang.gang_id, key, ShardingSpec(mesh, ()))
@@ -557,11 +650,7 @@ class JobRunner:
             c.delete([*state_handles, *batch, outs[n_state].handle])
             state_handles = [r.handle for r in outs[:n_state]]
             if step + 1 in saves:
-                meta = json.dumps(position | {"step": step + 1})
-                saved = c.save_checkpoint(
-                    gang.gang_id, state_handles, directory, step + 1, meta, prefix
-                )
-                job.saving.append((step + 1, saved))
+                self._save(job, gang, state_handles, step + 1, position, prefix)
             pending.append((step, ticket))
             while len(pending) > c.options.steps_ahead:
                 await self._record(job, *pending.popleft(), tokens)
@@ -608,9 +697,7 @@ class JobRunner:
         committed = [] if job.committed_step is None else [job.committed_step]
         target = yield_save(reached, [*queued, *committed, *held])
         if target is not None:
-            meta = json.dumps(position | {"step": target})
-            saved = c.save_checkpoint(gang.gang_id, state_handles, directory, target, meta, prefix)
-            job.saving.append((target, saved))
+            self._save(job, gang, state_handles, target, position, prefix)
         saving = (
             f"{reason}: saving step {reached} within {grace:.0f} s before letting go of the gang"
         )
@@ -639,6 +726,29 @@ class JobRunner:
                 exc,
                 job.committed_step,
             )
+
+    def _save(
+        self,
+        job: Job,
+        gang: Gang,
+        state: list[str],
+        step: int,
+        position: dict[str, Any],
+        prefix: str,
+    ) -> None:
+        """Queues a save of the state that is the input of `step`, with the data position
+        and the job's retention (the newest `keep_checkpoints`, plus the marked steps)."""
+        saved = self.controller.save_checkpoint(
+            gang.gang_id,
+            state,
+            job.spec.checkpoint_dir,
+            step,
+            json.dumps(position | {"step": step}),
+            prefix,
+            max_to_keep=job.spec.keep_checkpoints,
+            keep_steps=sorted(job.keep_steps),
+        )
+        job.saving.append((step, saved))
 
     async def _record(self, job: Job, step: int, ticket: Any, tokens: int) -> None:
         error = await ticket.done
@@ -683,10 +793,18 @@ class JobRunner:
 
 
 def _why_resumed(job: Job) -> str:
-    """What interrupted a job that is starting again, in a few words."""
-    if job.restarts and job.preemptions:
-        return "preemption and a controller restart"
-    return "a controller restart" if job.restarts else "preemption"
+    """What interrupted a job that is starting again, in a few words (the latest cause
+    is not recorded apart: all that happened is named)."""
+    causes = [
+        name
+        for count, name in (
+            (job.preemptions, "preemption"),
+            (job.restarts, "a controller restart"),
+            (job.failures, "a gang failure"),
+        )
+        if count
+    ]
+    return " and ".join(causes) or "an interruption"
 
 
 def step_seconds(ran: Mapping[int, tuple[int, int]]) -> float:

@@ -245,3 +245,41 @@ def test_a_job_on_a_gang_its_client_holds_fails_clearly_when_that_gang_is_preemp
     job = Job("j1", spec(gang_id="g2"), committed_step=20)
     with pytest.raises(FailedPreconditionError, match="its client holds, was preempted by g3"):
         runner._lost_to_preemption(job, gang, 1)
+
+
+def test_a_job_recovers_from_its_own_gangs_failures_until_its_budget_is_spent(tmp_path):
+    runner = JobRunner(controller=None, journal=Journal(tmp_path / "j.sqlite"))
+    failed = SimpleNamespace(state=GangState.FAILED, why="host 1 of slice s1 was lost")
+    job = Job("j1", spec(max_failures=2))
+    assert runner._recoverable(job, failed, RuntimeError("step 7 failed")) == failed.why
+    # Not for a gang that did not fail (the job's own error), a cancel, a stopping
+    # controller, or a gang its client holds.
+    ready = SimpleNamespace(state=GangState.READY, why="")
+    assert runner._recoverable(job, ready, RuntimeError("bad config")) is None
+    for changed in (
+        {"cancel_requested": True},
+        {"interrupted": True},
+        {"spec": spec(gang_id="g3")},
+    ):
+        other = Job("j2", spec())
+        for name, value in changed.items():
+            setattr(other, name, value)
+        assert runner._recoverable(other, failed, RuntimeError()) is None
+    job.failures = 2
+    with pytest.raises(FailedPreconditionError, match=r"budget is spent \(2 of 2 .*s1 was lost"):
+        runner._recoverable(job, failed, RuntimeError())
+    with pytest.raises(InvalidRequestError, match="max_failures must be >= 0"):
+        spec(max_failures=-1)
+
+
+def test_a_job_can_recover_from_starting_or_running_but_not_once_ended():
+    for path in (
+        (JobState.ADMITTED, JobState.STARTING),
+        (JobState.ADMITTED, JobState.STARTING, JobState.RUNNING),
+    ):
+        job = Job("j1", spec())
+        for state in path:
+            job.transition(state)
+        job.transition(JobState.RECOVERING)
+        job.transition(JobState.STARTING)
+        assert job.epoch == 2
