@@ -15,6 +15,7 @@ BENCHMARKS = {
     "putfetch": "benchmarks.putfetch",
     "scheduler": "benchmarks.scheduler",
     "train_overhead": "benchmarks.train_overhead",
+    "checkpoint": "benchmarks.checkpoint",
 }
 
 

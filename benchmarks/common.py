@@ -117,6 +117,28 @@ def attached_to_ray(client: Any) -> Iterator[None]:
         ray.shutdown()
 
 
+def run_job(client: Any, steps: int, **submit: Any) -> list[Any]:
+    """Runs an LM training job of `steps` steps to its end (`submit` as for
+    `Client.submit_job`) and returns its step records, in step order.
+
+    Raises:
+        TimeoutError: it did not end within 30 minutes.
+        RuntimeError: it ended without recording every step.
+    """
+    job = client.submit_job("lm", steps=steps, **submit)
+    deadline = time.monotonic() + 1800
+    while client.job(job.job_id).state not in (6, 7, 8):  # succeeded, failed, cancelled
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"job {job.job_id} did not finish")
+        time.sleep(0.2)
+    records = sorted(client.job_metrics(job.job_id).steps, key=lambda r: r.step)
+    if len(records) != steps:
+        raise RuntimeError(
+            f"job {job.job_id} ended after {len(records)} steps: {client.job(job.job_id).error}"
+        )
+    return records
+
+
 # -- the raw loopback socket: the limit of moving bytes between two processes here -----
 
 _SOCKET_SERVER = r"""

@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from benchmarks.common import attached_to_ray, sim_controller, write_result
+from benchmarks.common import attached_to_ray, run_job, sim_controller, write_result
 
 SIM = "3xv5litepod-1"
 SLICE_TYPE = "v5litepod-1"
@@ -121,19 +121,7 @@ def _controller_driven(
     """Steps per second of a job the controller drives on `gang` (steps after the warm-up),
     and its median step time."""
     # No checkpoints: the multi-controller baseline saves none either.
-    job = client.submit_job(
-        "lm", steps=warm + n, overrides=overrides, gang=gang, checkpoint_every=0
-    )
-    deadline = time.monotonic() + 1800
-    while client.job(job.job_id).state not in (6, 7, 8):  # succeeded, failed, cancelled
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"job {job.job_id} did not finish")
-        time.sleep(0.2)
-    steps = list(client.job_metrics(job.job_id).steps)
-    if len(steps) != warm + n:
-        raise RuntimeError(
-            f"job {job.job_id} ended after {len(steps)} steps: {client.job(job.job_id).error}"
-        )
+    steps = run_job(client, warm + n, overrides=overrides, gang=gang, checkpoint_every=0)
     # Steps/s from when the steps finished on the workers (a step's time counts only
     # while the devices ran it: a controller that left them waiting would not show there).
     elapsed = steps[-1].wall_time - steps[warm - 1].wall_time
