@@ -364,11 +364,13 @@ class QueuedCheckpointer:
         *,
         max_to_keep: int | None = None,
         keep_steps: Iterable[int] = (),
+        wait_for_copy: bool = False,
     ) -> None:
         """Queues a save of `state` (a pytree of jax.Arrays) and `meta` (JSON-able) at
         `step` and returns at once, unless the save queued before it has not yet copied
         its arrays (it waits for the commit before it): then it waits for that first, so
-        that at most one queued state is held.
+        that at most one queued state is held. With `wait_for_copy`, it returns only once
+        this save's arrays are in host memory (the commit still goes on behind).
 
         Args:
             max_to_keep: how many of the newest steps to keep from this save on (None:
@@ -386,6 +388,8 @@ class QueuedCheckpointer:
         queued = _Queued(step, max_to_keep, tuple(keep_steps), threading.Event(), futures.Future())
         self._queued.append(queued)
         self._queue.put((queued, state, plain))
+        if wait_for_copy:
+            queued.copied.wait()
 
     def restore(self, step: int, target: Any) -> tuple[Any, dict[str, Any]]:
         """Waits until the queued saves have committed, then restores `step` (see

@@ -262,16 +262,20 @@ class JaxRuntime:
         import json
 
         state = [self.buffers.get(h) for h in op.handles]
-        # Queued to the directory's save thread, which holds the arrays until orbax has
-        # copied them to host memory, while this thread runs the next steps. Safe as
-        # long as nothing frees their buffers meanwhile: no program donates its inputs,
-        # and a DeleteOp drops the table's reference, not the buffer.
+        # Queued to the directory's save thread, which copies the arrays to host memory
+        # and commits them in the background, in queue order on every host.
         self._checkpointer(op.directory, op.barrier_prefix).save(
             op.step,
             state,
             json.loads(op.meta),
             max_to_keep=op.max_to_keep or None,
             keep_steps=op.keep_steps,
+            # The copy to host memory while this thread launches the next steps hung
+            # a 200-step job on the simulation (orbax's D2H on the save thread never
+            # returned, 2 processes with gloo collectives in flight): the copy is done
+            # before the next operation, as orbax's own async save does it; only the
+            # commit goes on behind.
+            wait_for_copy=True,
         )
 
     def _restore(self, op: RestoreOp) -> None:

@@ -9,7 +9,6 @@ from __future__ import annotations
 import gc
 import json
 import logging
-import time
 import weakref
 
 import jax
@@ -130,29 +129,26 @@ def test_restore_refuses_another_data_position_and_uncommitted_steps(runtime, tm
     runtime.apply(CloseCheckpointsOp(5, directory, "t"))
 
 
-def test_save_ops_return_while_the_commit_before_them_is_held_and_commit_in_order(
+def test_a_save_op_returns_while_its_commit_is_held_and_saves_commit_in_order(
     runtime, tmp_path, failpoints, caplog
 ):
     directory = str(tmp_path / "ckpt")
-    failpoints.write_text(json.dumps({"save_commit_delay_s": 30}))
-    values = put_state(runtime, seed=1)
+    failpoints.write_text(json.dumps({"save_commit_delay_s": 600}))
+    put_state(runtime, seed=1)
     with caplog.at_level(logging.WARNING, logger="worker.checkpoint"):
-        started = time.monotonic()
         runtime.apply(save_op(1, directory, 1))
-        # Its arrays may go from the table at once: the save thread holds them.
+        # Returned with its arrays in host memory: they may go from the table at once.
         runtime.buffers.delete(("s0", "s1"))
-        values = put_state(runtime, seed=2)
-        runtime.apply(save_op(2, directory, 2))
-        returned_s = time.monotonic() - started
         wait_until(
             lambda: "checkpoint step 1: failpoint: holding its commit" in caplog.text,
             timeout_s=60,
             what="the commit of step 1 to be held",
         )
-    # Both returned while step 1's commit was held (for 30 s), before either committed.
-    assert returned_s < 10
-    assert not (tmp_path / "ckpt" / "1").exists() and not (tmp_path / "ckpt" / "2").exists()
-    failpoints.write_text("{}")
+    # The op came back while its commit is held (for up to 600 s, until released).
+    assert not (tmp_path / "ckpt" / "1").exists()
+    failpoints.write_text("{}")  # releases the hold
+    values = put_state(runtime, seed=2)
+    runtime.apply(save_op(2, directory, 2))
     runtime.apply(save_op(3, directory, 3))
     runtime.apply(CloseCheckpointsOp(4, directory, "t"))
     for step in (1, 2, 3):
@@ -168,11 +164,10 @@ def test_a_restore_waits_for_the_save_in_flight(runtime, tmp_path, failpoints):
     directory = str(tmp_path / "ckpt")
     failpoints.write_text(json.dumps({"save_commit_delay_s": 2}))
     values = put_state(runtime, seed=3)
-    started = time.monotonic()
     runtime.apply(save_op(1, directory, 7))
-    # Queued straight behind the save, before it has committed: it waits for it.
+    # Queued straight behind the save, before it has committed: it waits for it (a
+    # step not yet committed cannot be restored: UncommittedStepError).
     runtime.apply(restore_op(2, directory, 7, expect=(*EXPECT[:-1], ("step", 7))))
-    assert time.monotonic() - started >= 2
     assert_restored(runtime, values)
     runtime.apply(CloseCheckpointsOp(3, directory, "t"))
 
