@@ -255,7 +255,8 @@ class JobRunner:
         if job.state.terminal:
             raise FailedPreconditionError(f"job {job_id} already {job.state.value}")
         job.cancel_requested = True
-        if job.state in (JobState.QUEUED, JobState.ADMITTED, JobState.STARTING) and job.task:
+        waiting = (JobState.QUEUED, JobState.ADMITTED, JobState.STARTING, JobState.RECOVERING)
+        if job.state in waiting and job.task:
             job.task.cancel()  # still waiting for slices or workers: stop waiting
         return job
 
