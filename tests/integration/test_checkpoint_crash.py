@@ -23,7 +23,13 @@ from slicewise.common.checkpoints import COMMIT_FILE, committed_steps
 from slicewise.common.failpoints import ENV_VAR
 from slicewise.testing import wait_until
 from tests.integration.conftest import controller_log, start_controller
-from tests.integration.test_checkpoints import finished, run_job, submit_lm, watch_messages
+from tests.integration.test_checkpoints import (
+    assert_losses_match,
+    finished,
+    run_job,
+    submit_lm,
+    watch_messages,
+)
 
 pytestmark = pytest.mark.integration
 
@@ -184,13 +190,7 @@ def test_a_new_job_restores_the_last_committed_step_and_saves_over_the_partial_o
     )
     assert not done.HasField("resumed_from_step")  # a restore, not a preemption's resume
     assert [s.step for s in steps] == list(range(COMMITTED, STEPS)), "it did not restore"
-    want = {s.step: s.loss for s in uninterrupted[1]}
-    got = {s.step: s.loss for s in steps}
-    differences = {s: abs(got[s] - want[s]) for s in got if got[s] != want[s]}
-    assert not differences, (
-        f"losses after the restore differ from the uninterrupted run at steps "
-        f"{sorted(differences)}; largest difference {max(differences.values()):.3e}"
-    )
+    assert_losses_match(steps, uninterrupted[1], "after the restore")
     # Step HELD saved again and committed over orbax's leftover, which is gone.
     assert done.committed_step == STEPS
     assert committed_steps(directory) == [10, 20, 30, 40]

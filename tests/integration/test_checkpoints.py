@@ -58,6 +58,18 @@ def run_job(client, steps: int, **kwargs) -> tuple[pb.JobInfo, list[pb.StepMetri
     return finished(client, submit_lm(client, steps, **kwargs).job_id)
 
 
+def assert_losses_match(steps, reference_steps, after: str) -> None:
+    """Each step's loss equals, bit for bit, the reference run's loss of that step; the
+    message names the steps that differ and the largest difference."""
+    want = {s.step: s.loss for s in reference_steps}
+    got = {s.step: s.loss for s in steps}
+    differences = {s: abs(got[s] - want[s]) for s in got if got[s] != want[s]}
+    assert not differences, (
+        f"losses {after} differ from the uninterrupted run at steps {sorted(differences)}; "
+        f"largest difference {max(differences.values()):.3e}"
+    )
+
+
 def watch_messages(client, job_id: str) -> tuple[threading.Thread, list[str]]:
     """Follows the job's event stream in a thread; returns it and the list its events'
     messages are appended to (join the thread once the job has ended)."""
@@ -139,12 +151,7 @@ def test_a_job_on_the_same_directory_resumes_with_the_uninterrupted_losses(
     resumed, steps = finished(client, printed.strip())
     assert resumed.checkpoint_dir == str(directory)
     assert [s.step for s in steps] == list(range(FIRST, RESUMED)), "it did not resume"
-    got = {s.step: s.loss for s in steps}
-    differences = {s: abs(got[s] - want[s]) for s in got if got[s] != want[s]}
-    assert not differences, (
-        f"resumed losses differ from the uninterrupted run at steps {sorted(differences)}; "
-        f"largest difference {max(differences.values()):.3e}"
-    )
+    assert_losses_match(steps, reference_steps, "after the resume")
     assert resumed.committed_step == RESUMED
     # The newest three are kept (the default), the first job's older steps included.
     assert resumed.keep_checkpoints == 3

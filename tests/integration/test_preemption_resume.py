@@ -18,7 +18,14 @@ from protos import controller_pb2 as pb
 from slicewise.common.checkpoints import COMMIT_FILE, committed_steps
 from slicewise.testing import wait_until
 from tests.integration.conftest import controller_log, start_controller
-from tests.integration.test_checkpoints import cli, finished, run_job, submit_lm, watch_messages
+from tests.integration.test_checkpoints import (
+    assert_losses_match,
+    cli,
+    finished,
+    run_job,
+    submit_lm,
+    watch_messages,
+)
 
 pytestmark = pytest.mark.integration
 
@@ -112,13 +119,7 @@ def preempted_run(controller, client, directory, at: int):
 
 def assert_same_losses(steps, reference_steps, resumed: int) -> None:
     assert [s.step for s in steps] == list(range(STEPS))
-    want = {s.step: s.loss for s in reference_steps}
-    got = {s.step: s.loss for s in steps}
-    differences = {s: abs(got[s] - want[s]) for s in got if got[s] != want[s]}
-    assert not differences, (
-        f"losses differ from the uninterrupted run at steps {sorted(differences)} (resumed "
-        f"from {resumed}); largest difference {max(differences.values()):.3e}"
-    )
+    assert_losses_match(steps, reference_steps, f"(resumed from {resumed})")
 
 
 def test_a_preempted_job_yields_and_resumes_with_the_uninterrupted_losses(
