@@ -1,0 +1,329 @@
+"""`programs.moe.sharded` on 8 CPU devices in one process, against the unsharded layer.
+
+Each mesh is laid out as a gang of slices would be (`MeshSpec.device_grid`), so that axes
+meant as DCN really are the slice-major ones. Both strategies must give what `moe_layer`
+gives on one device: outputs, every stat, and the gradients of a loss that uses them all,
+with the tolerances of `test_moe_layer` (rtol 1e-5, atol 1e-6 of the array's scale). Routing
+decisions are compared exactly through `tokens_per_expert` and `dropped_fraction`.
+
+The DCN traffic prediction is checked against numbers worked out by hand, and against the
+all-to-alls of the lowered program: their replica groups and piece shapes, with each
+device's slice read off the mesh.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+import re
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from programs.base import ConfigError
+from programs.moe.layer import MoELayerConfig, moe_layer
+from programs.moe.sharded import (
+    DcnTraffic,
+    ExpertParallelism,
+    predict_dcn_traffic,
+    sharded_moe_layer,
+)
+from slicewise.common.mesh import GangShape, MeshSpec
+from tests.unit.test_moe_layer import D, assert_close, make_inputs
+
+# The graphs compile once each: XLA's backend optimisations would cost more than they save.
+jit = functools.partial(jax.jit, compiler_options={"xla_backend_optimization_level": 0})
+TOKENS = 64
+HIER = ("expert_dcn", "expert_ici")
+
+
+class Layout(NamedTuple):
+    """A mesh laid out on a gang's devices, and the expert/data axes to use on it."""
+
+    spec: MeshSpec
+    gang: GangShape
+    expert_axes: tuple[str, ...]
+    data_axes: tuple[str, ...] = ()
+
+    def mesh(self) -> Mesh:
+        grid = self.spec.device_grid(self.gang)
+        devices = np.array(jax.devices()[: self.gang.num_devices], dtype=object)[grid]
+        return Mesh(devices, self.spec.names)
+
+    def ep(self, strategy: str) -> ExpertParallelism:
+        return ExpertParallelism(self.expert_axes, self.data_axes, strategy)
+
+
+LAYOUTS = {
+    # experts over 2 slices x 2 chips
+    "e2x2": Layout(MeshSpec.build({"expert_dcn": 2}, {"expert_ici": 2}), GangShape(2, 1, 2), HIER),
+    # experts over 2 slices x 4 chips: the integration test's gang
+    "e2x4": Layout(MeshSpec.build({"expert_dcn": 2}, {"expert_ici": 4}), GangShape(2, 1, 4), HIER),
+    # 2-way data on ICI, experts over 2 slices x 2 chips
+    "d2.e2x2": Layout(
+        MeshSpec.build({"expert_dcn": 2}, {"data": 2, "expert_ici": 2}),
+        GangShape(2, 1, 4),
+        HIER,
+        ("data",),
+    ),
+    # 2-way data across slices too: 4 slices of 2 chips, each expert group on 2 of them
+    "d2dcn.e2x2": Layout(
+        MeshSpec.build({"data": 2, "expert_dcn": 2}, {"expert_ici": 2}),
+        GangShape(4, 1, 2),
+        HIER,
+        ("data",),
+    ),
+}
+# One expert axis that is itself DCN x ICI (a hybrid axis): only flat applies.
+HYBRID = Layout(MeshSpec.build({"expert": 2}, {"expert": 4}), GangShape(2, 1, 4), ("expert",))
+
+
+def loss_fn(layer, r):
+    """A scalar that every output and stat feeds, so its gradients check them all."""
+
+    def loss(params, x):
+        y, stats = layer(params, x)
+        return jnp.sum(y * r) + stats["aux_loss"] + 0.1 * stats["z_loss"], (y, stats)
+
+    return jit(jax.value_and_grad(loss, (0, 1), has_aux=True))
+
+
+def check_against_unsharded(layout: Layout, strategy: str, cfg: MoELayerConfig, num_experts: int):
+    params, x, r = make_inputs(
+        seed=cfg.k * 10 + num_experts, tokens=TOKENS, num_experts=num_experts
+    )
+    mesh, ep = layout.mesh(), layout.ep(strategy)
+
+    (_, (y, stats)), grads = loss_fn(lambda p, x: sharded_moe_layer(p, x, cfg, mesh, ep), r)(
+        params, x
+    )
+    (_, (ref_y, ref_stats)), ref_grads = loss_fn(lambda p, x: moe_layer(p, x, cfg), r)(params, x)
+
+    assert y.sharding.is_equivalent_to(NamedSharding(mesh, P(ep.token_axes, None)), 2)
+    assert_close(y, ref_y, "y")
+    np.testing.assert_array_equal(stats["tokens_per_expert"], ref_stats["tokens_per_expert"])
+    assert float(stats["dropped_fraction"]) == float(ref_stats["dropped_fraction"])
+    assert_close(stats["aux_loss"], ref_stats["aux_loss"], "aux_loss")
+    assert_close(stats["z_loss"], ref_stats["z_loss"], "z_loss")
+    for name in ("router", "w1", "w2"):
+        assert_close(grads[0][name], ref_grads[0][name], f"d/d{name}")
+    assert_close(grads[1], ref_grads[1], "d/dx")
+    return ref_stats
+
+
+@pytest.mark.parametrize("capacity_factor", [1.0, 1.25, None])
+@pytest.mark.parametrize("k", [1, 2])
+@pytest.mark.parametrize("strategy", ["flat", "hierarchical"])
+def test_experts_over_two_slices_of_four_chips_equal_the_unsharded_layer(
+    strategy, k, capacity_factor
+):
+    # 8 groups of 8 tokens, one group per device; E=8, one expert per device. Capacities
+    # 1 (drops), 2 (1 * 1.25 rounded up) and 8 (dropless: every token of the group).
+    cfg = MoELayerConfig(k=k, capacity_factor=capacity_factor, group_size=8)
+    ref_stats = check_against_unsharded(LAYOUTS["e2x4"], strategy, cfg, num_experts=8)
+    dropped = float(ref_stats["dropped_fraction"])
+    if capacity_factor == 1.0:
+        assert dropped > 0  # the comparison covers dropped choices
+    if capacity_factor is None:
+        assert dropped == 0
+
+
+@pytest.mark.parametrize(
+    "k,capacity_factor,num_experts,group_size",
+    [(2, 1.25, 8, 4), (1, None, 16, 8)],
+)
+@pytest.mark.parametrize("strategy", ["flat", "hierarchical"])
+@pytest.mark.parametrize("name", ["e2x2", "d2.e2x2", "d2dcn.e2x2"])
+def test_other_meshes_equal_the_unsharded_layer(
+    name, strategy, k, capacity_factor, num_experts, group_size
+):
+    # Several groups and several experts per device: 2 to 4 groups of 4 or 8 tokens, 2 or
+    # 4 of E=8 or 16 experts.
+    cfg = MoELayerConfig(k=k, capacity_factor=capacity_factor, group_size=group_size)
+    check_against_unsharded(LAYOUTS[name], strategy, cfg, num_experts)
+
+
+@pytest.mark.parametrize("k,capacity_factor", [(2, 1.0), (1, None)])
+def test_flat_over_one_hybrid_axis_equals_the_unsharded_layer(k, capacity_factor):
+    cfg = MoELayerConfig(k=k, capacity_factor=capacity_factor, group_size=8)
+    check_against_unsharded(HYBRID, "flat", cfg, num_experts=16)
+
+
+def test_renormalize_off_and_bfloat16_experts_match_unsharded():
+    # bfloat16 experts: the same dtype on both sides, so the same roundings in the experts;
+    # only the order of the stats' sums differs.
+    cfg = MoELayerConfig(k=2, capacity_factor=1.25, renormalize=False, group_size=8)
+    check_against_unsharded(LAYOUTS["e2x4"], "hierarchical", cfg, num_experts=8)
+    cfg16 = MoELayerConfig(k=2, capacity_factor=1.25, group_size=8, dtype="bfloat16")
+    params, x, _ = make_inputs(seed=3, tokens=TOKENS, num_experts=8)
+    mesh, ep = LAYOUTS["e2x4"].mesh(), LAYOUTS["e2x4"].ep("hierarchical")
+    y, stats = jit(lambda p, x: sharded_moe_layer(p, x, cfg16, mesh, ep))(params, x)
+    ref_y, ref_stats = jit(lambda p, x: moe_layer(p, x, cfg16))(params, x)
+    assert y.dtype == jnp.float32
+    np.testing.assert_array_equal(stats["tokens_per_expert"], ref_stats["tokens_per_expert"])
+    np.testing.assert_allclose(y, ref_y, rtol=1e-2, atol=1e-2)
+
+
+# -- configuration errors --------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "kwargs,message",
+    [
+        ({"expert_axes": ()}, "at least one mesh axis"),
+        ({"expert_axes": ("e",), "strategy": "ring"}, "strategy='ring'"),
+        ({"expert_axes": ("e",), "strategy": "hierarchical"}, r"expert_axes=\(dcn_axis"),
+        ({"expert_axes": ("e", "d"), "data_axes": ("d",)}, "appears twice"),
+    ],
+)
+def test_expert_parallelism_refuses_bad_axes(kwargs, message):
+    with pytest.raises(ConfigError, match=message):
+        ExpertParallelism(**kwargs)
+
+
+def test_a_single_axis_name_is_taken_as_a_tuple():
+    ep = ExpertParallelism("expert", "data")
+    assert (ep.expert_axes, ep.data_axes, ep.token_axes) == (
+        ("expert",),
+        ("data",),
+        ("data", "expert"),
+    )
+
+
+def test_sizes_that_cannot_split_are_refused():
+    layout = LAYOUTS["e2x4"]
+    mesh, ep = layout.mesh(), layout.ep("flat")
+    params, x, _ = make_inputs(seed=0, tokens=TOKENS, num_experts=8)
+    with pytest.raises(ConfigError, match="do not split into whole groups"):
+        sharded_moe_layer(params, x, MoELayerConfig(group_size=16), mesh, ep)
+    with pytest.raises(ConfigError, match="do not split into whole groups"):
+        sharded_moe_layer(params, x, MoELayerConfig(), mesh, ep)  # one group of all tokens
+    params12, _, _ = make_inputs(seed=0, tokens=TOKENS, num_experts=12)
+    with pytest.raises(ConfigError, match="12 experts do not split evenly"):
+        sharded_moe_layer(params12, x, MoELayerConfig(group_size=8), mesh, ep)
+    with pytest.raises(ConfigError, match="mesh has no axis"):
+        sharded_moe_layer(
+            params, x, MoELayerConfig(group_size=8), mesh, ExpertParallelism(("expert",))
+        )
+    with pytest.raises(ConfigError, match="do not fit x"):
+        sharded_moe_layer(params, x[:, :4], MoELayerConfig(group_size=8), mesh, ep)
+
+
+# -- DCN traffic -------------------------------------------------------------------------------
+
+
+def predict(layout: Layout, strategy: str, cfg: MoELayerConfig, num_experts: int) -> DcnTraffic:
+    return predict_dcn_traffic(
+        layout.spec, layout.ep(strategy), cfg, tokens=TOKENS, d_model=D, num_experts=num_experts
+    )
+
+
+def test_dcn_traffic_by_hand():
+    # e2x4, T=64 in groups of 8, E=8, C=1, f32: a device's buffer is E*G_l*C*D = 8*1*1*8
+    # floats = 256 bytes, 32 bytes per destination. Per direction: flat, each of 8 devices
+    # sends to the 4 devices of the other slice, 32 messages of 32 bytes = 1024 bytes;
+    # hierarchical, the ICI step stays in the slice and each device sends the other
+    # slice's half (4 blocks, 128 bytes) in one message: 8 messages, 1024 bytes.
+    cfg = MoELayerConfig(k=2, capacity_factor=1.0, group_size=8)
+    e2x4 = LAYOUTS["e2x4"]
+    assert predict(e2x4, "flat", cfg, 8) == DcnTraffic(bytes=2 * 1024, messages=2 * 32)
+    assert predict(e2x4, "hierarchical", cfg, 8) == DcnTraffic(bytes=2 * 1024, messages=2 * 8)
+
+    # bfloat16 halves the bytes; dropless (C = T_g = 8) multiplies them by 8.
+    cfg16 = MoELayerConfig(k=2, capacity_factor=1.0, group_size=8, dtype="bfloat16")
+    assert predict(e2x4, "flat", cfg16, 8) == DcnTraffic(bytes=1024, messages=64)
+    dropless = MoELayerConfig(k=2, capacity_factor=None, group_size=8)
+    assert predict(e2x4, "hierarchical", dropless, 8) == DcnTraffic(bytes=16384, messages=16)
+
+    # The same as one hybrid axis: flat only, the same numbers as flat above.
+    assert predict(HYBRID, "flat", cfg, 8) == DcnTraffic(bytes=2048, messages=64)
+
+    # d2dcn.e2x2, E=16, groups of 8, k=1, C=2: 8 devices, buffer 16*1*2*8*4 = 1024 bytes,
+    # 256 bytes per block of the 4-device expert group. Flat: 2 remote peers per device,
+    # 16 messages, 4096 bytes per direction; hierarchical: 1 remote peer per device, a
+    # 512-byte message, 8 messages and 4096 bytes.
+    cfg2 = MoELayerConfig(k=1, capacity_factor=1.25, group_size=8)
+    d2dcn = LAYOUTS["d2dcn.e2x2"]
+    assert predict(d2dcn, "flat", cfg2, 16) == DcnTraffic(bytes=8192, messages=32)
+    assert predict(d2dcn, "hierarchical", cfg2, 16) == DcnTraffic(bytes=8192, messages=16)
+
+    # Experts inside a slice, data across slices: nothing crosses DCN.
+    in_slice = Layout(
+        MeshSpec.build({"data": 2}, {"expert": 4}), GangShape(2, 1, 4), ("expert",), ("data",)
+    )
+    assert predict(in_slice, "flat", cfg, 8) == DcnTraffic(bytes=0, messages=0)
+
+
+_A2A = re.compile(
+    r'"stablehlo.all_to_all".*replica_groups = dense<(?P<groups>[\[\]\d, ]*)>.*'
+    r"split_count = (?P<split>\d+).*: \(tensor<(?P<shape>[\dx]+)x(?P<dtype>\w+)>\)"
+)
+_BYTES = {"f32": 4, "bf16": 2, "f16": 2}
+
+
+def program_dcn_traffic(spec: MeshSpec, stablehlo: str) -> DcnTraffic:
+    """Bytes and messages between slices of the all-to-alls in a lowered program.
+
+    Each all_to_all splits its operand into `split_count` pieces and sends piece j to the
+    j-th device of each replica group. Replica group entries are positions in the mesh's
+    flattened device array; a device's slice is the DCN part of its mesh coordinates.
+    """
+
+    def slice_of(position: int) -> tuple[int, ...]:
+        coords = np.unravel_index(position, spec.shape)
+        return tuple(int(c) // axis.ici for c, axis in zip(coords, spec.axes, strict=True))
+
+    total, found = DcnTraffic(0, 0), 0
+    for line in stablehlo.splitlines():
+        match = _A2A.search(line)
+        if not match:
+            continue
+        found += 1
+        groups = json.loads(match["groups"])
+        if not isinstance(groups[0], list):  # a single group prints as one flat list
+            groups = [groups]
+        elements = math.prod(int(n) for n in match["shape"].split("x"))
+        piece = elements * _BYTES[match["dtype"]] // int(match["split"])
+        for group in groups:
+            assert len(group) == int(match["split"]), line
+            for src in group:
+                for dst in group:
+                    if slice_of(src) != slice_of(dst):
+                        total = DcnTraffic(total.bytes + piece, total.messages + 1)
+    assert found, "no all_to_all in the lowered program"
+    return total
+
+
+@pytest.mark.parametrize(
+    "name,strategy,num_experts,cfg",
+    [
+        ("e2x4", "flat", 8, MoELayerConfig(k=2, capacity_factor=1.0, group_size=8)),
+        ("e2x4", "hierarchical", 8, MoELayerConfig(k=2, capacity_factor=1.0, group_size=8)),
+        ("d2dcn.e2x2", "flat", 16, MoELayerConfig(k=1, capacity_factor=None, group_size=4)),
+        ("d2dcn.e2x2", "hierarchical", 16, MoELayerConfig(k=1, capacity_factor=None, group_size=4)),
+        ("d2.e2x2", "hierarchical", 8, MoELayerConfig(k=2, group_size=8, dtype="bfloat16")),
+    ],
+)
+def test_dcn_traffic_prediction_matches_the_programs_all_to_alls(name, strategy, num_experts, cfg):
+    layout = LAYOUTS[name]
+    params, x, _ = make_inputs(seed=0, tokens=TOKENS, num_experts=num_experts)
+    mesh, ep = layout.mesh(), layout.ep(strategy)
+    # The lowered StableHLO is what `jax.export` ships to workers. (XLA:CPU's compiled
+    # all-to-alls would not do: it widens bfloat16 to float32 for collectives.)
+    layer = lambda p, x: sharded_moe_layer(p, x, cfg, mesh, ep)  # noqa: E731
+    predicted = predict(layout, strategy, cfg, num_experts)
+    assert predicted.messages > 0
+    forward = jax.jit(layer).lower(params, x).as_text()
+    assert program_dcn_traffic(layout.spec, forward) == predicted
+    # The backward pass runs the transposed exchanges: as much again.
+    loss = lambda p, x: jnp.sum(layer(p, x)[0])  # noqa: E731
+    both = jax.jit(jax.grad(loss, (0, 1))).lower(params, x).as_text()
+    assert program_dcn_traffic(layout.spec, both) == DcnTraffic(
+        2 * predicted.bytes, 2 * predicted.messages
+    )
