@@ -79,7 +79,12 @@ class Worker(Protocol):
 
 
 class Channel(Protocol):
-    """The controller's end of a worker's control channel (controller/channel.py)."""
+    """The controller's end of a worker's control channel (controller/channel.py):
+    `heard_at` is when anything last came from the worker (time.monotonic), `progress`
+    what its latest heartbeat said (controller/health.py)."""
+
+    heard_at: float
+    progress: dict[str, Any]
 
     async def send(self, ops: list[Op]) -> None: ...
 

@@ -9,6 +9,7 @@ import contextlib
 import json
 import pickle
 import socket
+import time
 from typing import Any
 
 from slicewise.common.framing import LENGTH, ChannelError, frame, hello
@@ -24,6 +25,10 @@ class ControllerEnd:
         self._reader = reader
         self._writer = writer
         self._name = name
+        # Liveness, for controller/health.py: when anything last came from the worker
+        # (time.monotonic), and the progress its latest heartbeat reported.
+        self.heard_at = time.monotonic()
+        self.progress: dict[str, Any] = {}
 
     @classmethod
     async def connect(cls, address: str, token: str, epoch: int, name: str) -> ControllerEnd:
@@ -63,10 +68,14 @@ class ControllerEnd:
         Raises:
             ChannelError: the worker went away, or refused a batch.
         """
-        kind, payload = await self._read()
-        if kind == "done":
-            return payload
-        raise ChannelError(f"{self._name} refused operations: {payload}")
+        while True:
+            kind, payload = await self._read()
+            if kind == "beat":
+                self.progress = payload
+                continue
+            if kind == "done":
+                return payload
+            raise ChannelError(f"{self._name} refused operations: {payload}")
 
     async def _read(self) -> tuple[str, Any]:
         try:
@@ -76,6 +85,7 @@ class ControllerEnd:
             raise ChannelError(
                 f"{self._name} closed its control channel (the worker process died or was killed)"
             ) from exc
+        self.heard_at = time.monotonic()
         if body[:1] == b"{":  # a JSON refusal of the hello
             return "error", json.loads(body).get("error", "refused")
         return pickle.loads(body)

@@ -27,7 +27,11 @@ def _controller(args: argparse.Namespace) -> int:
             state_dir=args.state_dir,
             stop_on_stdin_eof=args.stop_on_stdin_eof,
             options=ControllerOptions(
-                worker_window=args.window, preemption_grace_s=args.preemption_grace
+                worker_window=args.window,
+                preemption_grace_s=args.preemption_grace,
+                heartbeat_timeout_s=args.heartbeat_timeout,
+                step_timeout_s=args.step_timeout,
+                allow_chaos=args.allow_chaos,
             ),
         )
     except ValueError as exc:
@@ -168,6 +172,21 @@ def _keep(args: argparse.Namespace) -> int:
     return 0
 
 
+def _chaos(args: argparse.Namespace) -> int:
+    from slicewise.common.errors import SlicewiseError
+
+    with _connect(args, "chaos") as client:
+        try:
+            message = client.inject_fault(
+                args.job, args.kind, at_step=args.at_step, process=args.host
+            )
+        except SlicewiseError as exc:
+            print(f"slicewise chaos: {exc}", file=sys.stderr)
+            return 1
+    print(message)
+    return 0
+
+
 def _cancel(args: argparse.Namespace) -> int:
     from controller.jobview import state_name
     from slicewise.common.errors import SlicewiseError
@@ -294,6 +313,29 @@ def build_parser() -> argparse.ArgumentParser:
         help="time a preempted gang's holder gets to save its work (default %(default)s)",
     )
     p.add_argument(
+        "--heartbeat-timeout",
+        type=float,
+        default=10.0,
+        metavar="SECONDS",
+        help="a worker silent this long (it beats every 0.5 s) fails its gang, which its "
+        "job then recovers (default %(default)s)",
+    )
+    p.add_argument(
+        "--allow-chaos",
+        action="store_true",
+        help="accept fault injection (slicewise chaos): it kills processes; for tests and "
+        "the simulation",
+    )
+    p.add_argument(
+        "--step-timeout",
+        type=float,
+        default=20.0,
+        metavar="SECONDS",
+        help="a training step stalled this long on a host (a stuck collective) fails its "
+        "gang; the limit is 10x the job's slowest step when that is more "
+        "(default %(default)s)",
+    )
+    p.add_argument(
         "--state-dir",
         metavar="DIR",
         help="where the journal (jobs, metrics, gangs) and default checkpoint directories "
@@ -418,6 +460,27 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--controller", default=DEFAULT_ADDRESS, metavar="ADDR")
     p.add_argument("--timeout", type=float, default=10.0)
     p.set_defaults(func=_keep)
+
+    from controller.chaos import KINDS
+
+    p = sub.add_parser(
+        "chaos",
+        help="inject a fault into a running job to see it recover (controller: --allow-chaos)",
+    )
+    p.add_argument("kind", choices=KINDS)
+    p.add_argument("--job", required=True)
+    p.add_argument(
+        "--at-step", type=int, metavar="N", help="once the job has completed N steps (default: now)"
+    )
+    p.add_argument(
+        "--host",
+        type=int,
+        metavar="P",
+        help="the host hit, as its jax.distributed process index (default: one at random)",
+    )
+    p.add_argument("--controller", default=DEFAULT_ADDRESS, metavar="ADDR")
+    p.add_argument("--timeout", type=float, default=10.0)
+    p.set_defaults(func=_chaos)
 
     p = sub.add_parser("cancel", help="stop a job and free its slices")
     p.add_argument("job")

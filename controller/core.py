@@ -47,6 +47,7 @@ from slicewise.common.ops import (
     CloseCheckpointsOp,
     DeleteOp,
     ExecOp,
+    HangOp,
     LoadOp,
     PinOp,
     PutOp,
@@ -91,6 +92,9 @@ class Controller:
         controller knows the gangs lost with its predecessor and never reuses their ids."""
         self.simulated = simulated
         self.options = options
+        # The embedded simulation's supervisor (controller/simcluster.py), when there is
+        # one: fault injection removes hosts through it.
+        self.simulation: Any = None
         self.started_at = time.time()
         self.programs = ProgramRegistry()
         self.arrays = ArrayTable()
@@ -288,6 +292,19 @@ class Controller:
             ticket, outputs = self._queue_call(gang, client, program, handles)
             results.append((ticket.seq, outputs))
         return results
+
+    def inject_hang(self, gang_id: str, process: int, seconds: float) -> Ticket:
+        """Fault injection: queues a HangOp for `process` and an empty op for the other
+        workers, in the gang's order behind what is queued (see controller/chaos.py)."""
+        gang, client = self.manager.resolve(gang_id)
+        n = gang.shape.num_processes
+        return self._submit(
+            gang,
+            client,
+            lambda seq: [
+                HangOp(seq, seconds) if w == process else DeleteOp(seq, ()) for w in range(n)
+            ],
+        )
 
     def call(
         self, gang_id: str, program_id: str, inputs: Sequence[str], report: Sequence[int] = ()

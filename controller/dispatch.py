@@ -126,13 +126,23 @@ class Dispatcher:
         ticket = Ticket(build, done, client, queued_ns=time.time_ns())
         self._waiting.push(client, ticket, ready)
         self.dispatched += 1
+        self.start()
+        self._number()
+        return ticket
+
+    def start(self) -> None:
+        """Starts delivering and reading the workers' channels (at once, so that their
+        heartbeats are read; else with the first submit)."""
         if not self._started:
             self._started = True
             self._spawn(self._pump())
             for w in range(self._num_workers):
                 self._spawn(self._collect(w))
-        self._number()
-        return ticket
+
+    def fail(self, reason: str) -> None:
+        """The gang cannot go on (a worker stopped answering, a collective is stuck):
+        fails everything not yet completed, as a dead worker would."""
+        self._break(reason)
 
     def set_weight(self, client: str, weight: float) -> None:
         """The client's share of a shared gang, relative to the other clients' weights."""

@@ -9,7 +9,9 @@ import asyncio
 import contextlib
 import functools
 import logging
+import os
 import secrets
+import signal
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
@@ -21,6 +23,7 @@ from controller import datalink, metrics
 from controller.backend import Channel, ClusterBackend, HostBundle, Reservation, Worker, WorkerSpec
 from controller.dispatch import Dispatcher, Ticket
 from controller.gangstate import TRANSITIONS, GangState
+from controller.health import WATCH_PERIOD_S, HostReport, diagnose
 from controller.hostenv import HostPlacement, simulated_host_env, tpu_host_env
 from controller.inventory import Slice
 from controller.options import DEFAULT_OPTIONS, ControllerOptions
@@ -85,6 +88,14 @@ class Gang:
         self.shared_name = ""
         self.attachments: dict[str, tuple[str, float]] = {}
         self.programs_run: Counter[str] = Counter()
+        # A stall this long on a worker fails the gang (controller/health.py); the job
+        # that runs on the gang sets it from its step times. None: stalls are not judged.
+        self.step_deadline_s: float | None = None
+        # When it last failed (time.time()), and when the fault behind that began, where
+        # the heartbeats tell (a stall's start; 0: unknown).
+        self.failed_at = 0.0
+        self.fault_at = 0.0
+        self.pids: list[int] = []  # its workers' process ids
         self._backend = backend
         self.options = options
         self._lost_poll_s = lost_poll_s
@@ -94,6 +105,7 @@ class Gang:
         self._stopping: asyncio.Future[None] | None = None
         self._stopping_to: GangState | None = None
         self._watchers: set[asyncio.Queue[tuple[str, str]]] = set()
+        self._health: asyncio.Task[None] | None = None
         self.dispatcher = self._new_dispatcher()
 
     # -- the life cycle -----------------------------------------------------------------
@@ -190,6 +202,7 @@ class Gang:
         started = time.monotonic()
         self.transition(GangState.STARTING)
         epoch = self.epoch
+        self.failed_at = self.fault_at = 0.0
         self.slices = list(slices)
         self.platform = "cpu" if self.simulated else "tpu"
         self.dispatcher = self._new_dispatcher()
@@ -213,7 +226,10 @@ class Gang:
                     f"gang {self.gang_id} failed to start: {type(exc).__name__}: {exc}"
                 ) from exc
             raise
+        # The workers' heartbeats are read from now on, whether or not work is sent.
+        self.dispatcher.start()
         self.transition(GangState.READY, epoch=epoch)
+        self._health = asyncio.ensure_future(self._watch_health(epoch))
         log.info(
             "gang %s ready: %d slice(s) %s, %d workers, in %.1f s",
             self.gang_id,
@@ -300,6 +316,7 @@ class Gang:
             )
         )
         self.platform = infos[0]["platform"]
+        self.pids = [int(info["pid"]) for info in infos]
         self.data_addresses = list(await asyncio.gather(*(w.data_address() for w in self._workers)))
         self._channels = list(
             await asyncio.gather(
@@ -326,11 +343,50 @@ class Gang:
         s, h = divmod(process_id, self.shape.hosts_per_slice)
         return f"host {h} of slice {self.slices[s].name}"
 
+    async def _watch_health(self, epoch: int) -> None:
+        """Fails the gang when a worker stops answering or a collective is stuck (see
+        controller/health.py); ends when the gang stops or starts again."""
+        while True:
+            await asyncio.sleep(WATCH_PERIOD_S)
+            if self.epoch != epoch or not self.state.usable:
+                return
+            now = time.monotonic()
+            reports = [
+                HostReport(
+                    self.describe_process(p),
+                    now - channel.heard_at,
+                    int(channel.progress.get("oldest_seq", 0)),
+                    str(channel.progress.get("oldest_kind", "")),
+                    float(channel.progress.get("stalled_s", 0.0)),
+                    str(channel.progress.get("compiling", "")),
+                )
+                for p, channel in enumerate(list(self._channels))
+            ]
+            reason = diagnose(
+                reports,
+                heartbeat_timeout_s=self.options.heartbeat_timeout_s,
+                step_deadline_s=self.step_deadline_s,
+            )
+            if reason is not None:
+                quiet = max(max(r.stalled_s, r.silent_s) for r in reports)
+                self.fault_at = time.time() - quiet
+                self.dispatcher.fail(reason)
+                return
+
     def _on_broken(self, reason: str, epoch: int) -> None:
         """The dispatcher of `epoch` lost a worker: the gang fails, if it was running."""
         metrics.FAILURES.labels("worker").inc()
         if self.state.usable and self.transition(GangState.FAILED, why=reason, epoch=epoch):
+            self.failed_at = time.time()
             self.publish("failed", reason)
+
+    def kill_worker(self, process_id: int) -> None:
+        """Fault injection: SIGKILL for one worker's process (through Ray when the host is
+        not this machine's simulation)."""
+        if self.simulated:
+            os.kill(self.pids[process_id], signal.SIGKILL)
+        else:
+            self._backend.kill(self._workers[process_id])
 
     def _observe(
         self, kind: str, seq: int, queued_ns: int, settled_ns: int, error: str | None
@@ -434,6 +490,9 @@ class Gang:
         return self._stopping_to
 
     async def _stop_then(self, then: GangState, why: str) -> None:
+        if self._health is not None:
+            self._health.cancel()
+            self._health = None
         try:
             await self.dispatcher.close(f"gang {self.gang_id} {why}")
             for channel in self._channels:

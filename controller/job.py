@@ -10,6 +10,7 @@ allowed state changes (the job runner that drives it is jobs.py).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import enum
 import logging
 import time
@@ -19,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from controller.chaos import Fault
 from controller.journal import StepRecord
 from slicewise.common.errors import InvalidRequestError, InvalidTransitionError
 from slicewise.common.mesh import GangShape, MeshAxis, MeshSpec
@@ -166,6 +168,37 @@ class JobSpec:
 
 
 @dataclass
+class Recovery:
+    """One recovery of a job from a failure of its gang (times: time.time(), 0 unknown).
+
+    Attributes:
+        cause: the failure as detected, host and cause named.
+        failed_at_step: steps completed when it was detected.
+        fault_at: when the fault happened, where known (an injected fault; a stall's start).
+        detected_at: when the gang failed.
+        resumed_from: the step the job continued from, once it did.
+        resumed_at: when the first step after the recovery finished (worker's clock).
+    """
+
+    cause: str
+    failed_at_step: int
+    fault_at: float
+    detected_at: float
+    resumed_from: int | None = None
+    resumed_at: float = 0.0
+
+    @property
+    def steps_lost(self) -> int:
+        """Steps completed before the failure that run again."""
+        if self.resumed_from is None:
+            return 0
+        return max(0, self.failed_at_step - self.resumed_from)
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+@dataclass
 class Job:
     """One training job and everything the controller knows about it."""
 
@@ -203,6 +236,14 @@ class Job:
     # (time.monotonic()) and stops, unfinished, for the next controller to continue.
     interrupted: bool = False
     stop_deadline: float = 0.0
+    # Each recovery from a failure of its gang (journalled), and the faults injected
+    # into it that wait for a step (controller/chaos.py).
+    recoveries: list[Recovery] = field(default_factory=list)
+    faults: list[Fault] = field(default_factory=list)
+    # The longest step so far (as the workers measured it): the step watchdog's deadline
+    # is a multiple of it (controller/health.py).
+    slowest_step_s: float = 0.0
+    compiled_at: int = -1  # the first step of the latest start: it compiled the program
 
     def transition(self, new: JobState, *, epoch: int | None = None) -> None:
         """The one place a job's state changes. A change from an older epoch (a start that

@@ -51,7 +51,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from controller import metrics
+from controller import chaos, metrics
 from controller.checkpoints import resume_step, save_steps, yield_save
 from controller.gang import failpoint
 from controller.gangstate import GangState
@@ -62,6 +62,7 @@ from controller.job import (
     Job,
     JobSpec,
     JobState,
+    Recovery,
     _spec_from_json,
     check_keep_step,
 )
@@ -120,6 +121,7 @@ class JobRunner:
                 restarts=record["restarts"],
                 failures=record["failures"],
                 keep_steps={*spec.get("keep_steps", ()), *record["keep_steps"]},
+                recoveries=[Recovery(**r) for r in record["recoveries"]],
             )
             job.recent.extend(journal.steps(job.job_id, since=max(0, job.step - 200)))
             self.jobs[job.job_id] = job
@@ -414,7 +416,17 @@ class JobRunner:
         it, and with them its jax.distributed cluster); `_run` then takes a new gang
         and restores the newest committed step, as a preempted job does."""
         job.failures += 1
-        self.journal.update_job(job.job_id, time.time(), failures=job.failures)
+        fault_at = max((f.fired_at for f in job.faults if f.fired_at), default=0.0)
+        job.recoveries.append(
+            Recovery(
+                cause,
+                job.step,
+                fault_at=gang.fault_at or fault_at,
+                detected_at=gang.failed_at or time.time(),
+            )
+        )
+        job.faults = [f for f in job.faults if not f.fired_at]
+        self._journal_recoveries(job, failures=job.failures)
         since = (
             "nothing committed yet"
             if job.committed_step is None
@@ -431,6 +443,55 @@ class JobRunner:
             await self.controller.release(
                 gang.gang_id, why=f"failed under job {job.job_id}, which recovers on a new one"
             )
+
+    def _journal_recoveries(self, job: Job, **fields: Any) -> None:
+        recoveries = json.dumps([r.to_json() for r in job.recoveries])
+        self.journal.update_job(job.job_id, time.time(), recoveries=recoveries, **fields)
+
+    async def inject_fault(
+        self, job_id: str, kind: str, at_step: int | None, process: int | None
+    ) -> str:
+        """Injects a fault into a running job's gang, now or once it has completed
+        `at_step` steps (see controller/chaos.py); says what will happen.
+
+        Raises:
+            NotFoundError: no such job.
+            FailedPreconditionError: the job is not running, or injection is off.
+            InvalidRequestError: an unknown kind, host or step.
+        """
+        job = self.get(job_id)
+        gang = self.controller.gangs.get(job.gang_id)
+        running = job.state is JobState.RUNNING and gang is not None and gang.state.usable
+        if job.state.terminal or (at_step is None and not running):
+            raise FailedPreconditionError(
+                f"job {job_id} is {job.state.value}: a fault can be injected now only into a "
+                "running job, and for a later step (--at-step) into one that has not ended"
+            )
+        fault = chaos.plan_fault(
+            kind,
+            at_step=at_step,
+            process=process,
+            num_processes=job.spec.num_slices * lookup_slice_type(job.spec.slice_type).hosts,
+            step=job.step,
+            steps=job.spec.steps,
+            simulated=self.controller.simulated,
+            allowed=self.controller.options.allow_chaos,
+        )
+        where = "" if kind == "kill-controller" else f" of process {fault.process}"
+        when = f"once step {fault.at_step} is done" if fault.at_step else "now"
+        message = f"job {job_id}: {kind}{where}, {when}"
+        self._publish(job, message=f"fault injection: {message}")
+        job.faults.append(fault)  # the step loop fires it, unless it is for now
+        if kind != "hang-collective" and not fault.at_step:
+            assert gang is not None
+            await chaos.fire(fault, self.controller, gang)
+        return message
+
+    async def _fire_due(self, job: Job, gang: Gang) -> None:
+        """Fires the faults waiting for a step the job has now completed."""
+        for fault in job.faults:
+            if not fault.fired_at and fault.kind != "hang-collective" and fault.at_step <= job.step:
+                await chaos.fire(fault, self.controller, gang)
 
     def _stopped_with_controller(self, job: Job) -> None:
         resume = (
@@ -621,6 +682,11 @@ class JobRunner:
                 begun = f"resumed from step {start} after {_why_resumed(job)} ({directory})"
         state_handles = [r.handle for r in state]
         tokens = program.tokens_per_step(config)
+        if job.recoveries and job.recoveries[-1].resumed_from is None:
+            job.recoveries[-1].resumed_from = job.step
+            self._journal_recoveries(job)
+        gang.step_deadline_s = step_deadline(c.options.step_timeout_s, job.slowest_step_s)
+        job.compiled_at = job.step  # new workers compile the step program on this one
         self._move(
             job,
             JobState.RUNNING,
@@ -639,6 +705,9 @@ class JobRunner:
                     job, gang, step, state_handles, pending, tokens, position, prefix, held
                 )
                 return False
+            for fault in job.faults:
+                if fault.kind == "hang-collective" and not fault.fired_at and fault.at_step <= step:
+                    chaos.hang(fault, c, gang)
             batch = c.load_batch(
                 gang.gang_id, spec.program, overrides, step, batch_sharding, fields
             )
@@ -654,9 +723,9 @@ class JobRunner:
                 self._save(job, gang, state_handles, step + 1, position, prefix)
             pending.append((step, ticket))
             while len(pending) > c.options.steps_ahead:
-                await self._record(job, *pending.popleft(), tokens)
+                await self._record(job, *pending.popleft(), tokens, gang)
         while pending:
-            await self._record(job, *pending.popleft(), tokens)
+            await self._record(job, *pending.popleft(), tokens, gang)
         if saves or start is not None:
             closed = c.close_checkpoints(gang.gang_id, directory, prefix)
             error = await closed.done
@@ -707,7 +776,7 @@ class JobRunner:
 
         async def finish() -> None:
             while pending:
-                await self._record(job, *pending.popleft(), tokens)
+                await self._record(job, *pending.popleft(), tokens, gang)
             closed = c.close_checkpoints(gang.gang_id, directory, prefix)
             error = await closed.done
             if error:
@@ -751,11 +820,24 @@ class JobRunner:
         )
         job.saving.append((step, saved))
 
-    async def _record(self, job: Job, step: int, ticket: Any, tokens: int) -> None:
+    async def _record(
+        self, job: Job, step: int, ticket: Any, tokens: int, gang: Gang | None = None
+    ) -> None:
+        """Records a step once it is done; with the gang it ran on, also moves the gang's
+        step deadline and fires the faults waiting for the step."""
         error = await ticket.done
         if error:
             raise FailedPreconditionError(f"step {step} failed: {error}")
         measured = step_record(step, ticket.values[0], ticket.ran, tokens)
+        if step != job.compiled_at:  # that step's time includes compiling its program
+            job.slowest_step_s = max(job.slowest_step_s, measured.step_time_s)
+        if gang is not None:
+            gang.step_deadline_s = step_deadline(
+                self.controller.options.step_timeout_s, job.slowest_step_s
+            )
+        if job.recoveries and not job.recoveries[-1].resumed_at:
+            job.recoveries[-1].resumed_at = measured.wall_time
+            self._journal_recoveries(job)
         job.step = step + 1
         job.recent.append(measured)
         self.journal.add_steps(job.job_id, [measured])
@@ -764,6 +846,8 @@ class JobRunner:
         metrics.STEP_SECONDS.observe(measured.step_time_s)
         self._publish(job, [measured])
         await self._check_commits(job)
+        if gang is not None and job.faults:
+            await self._fire_due(job, gang)
 
     async def _check_commits(self, job: Job) -> None:
         """Journals the saves whose commit marker is now in storage. Saves commit in the
@@ -791,6 +875,12 @@ class JobRunner:
         if announce:
             log.info("job %s: checkpoint step %d committed", job.job_id, step)
             self._publish(job, message=f"checkpoint step {step} committed")
+
+
+def step_deadline(floor_s: float, slowest_step_s: float) -> float:
+    """How long a step may stall on a host before its gang fails as stuck: 10x the
+    slowest step so far, and never less than `floor_s` (--step-timeout)."""
+    return max(floor_s, 10.0 * slowest_step_s)
 
 
 def _why_resumed(job: Job) -> str:

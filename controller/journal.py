@@ -62,6 +62,7 @@ _ADDED_JOB_COLUMNS = {
     "restarts": "INTEGER NOT NULL DEFAULT 0",
     "failures": "INTEGER NOT NULL DEFAULT 0",
     "keep_steps": "TEXT NOT NULL DEFAULT '[]'",  # JSON: checkpoint steps marked to keep
+    "recoveries": "TEXT NOT NULL DEFAULT '[]'",  # JSON: job.Recovery records, oldest first
 }
 
 
@@ -177,6 +178,7 @@ class Journal:
             "restarts",
             "failures",
             "keep_steps",
+            "recoveries",
         }
         unknown = set(fields) - allowed
         if unknown:
@@ -226,5 +228,6 @@ class Journal:
             record = dict(zip(names, row, strict=True))
             record["spec"] = json.loads(record["spec"])
             record["keep_steps"] = json.loads(record["keep_steps"])
+            record["recoveries"] = json.loads(record["recoveries"])
             out.append(record)
         return out

@@ -71,6 +71,17 @@ def job_to_pb(job: Job) -> pb.JobInfo:
     info.keep_steps.extend(sorted(job.keep_steps))
     if job.resumed_from is not None:
         info.resumed_from_step = job.resumed_from
+    for r in job.recoveries:
+        recovery = info.recoveries.add(
+            cause=r.cause,
+            failed_at_step=r.failed_at_step,
+            fault_at=r.fault_at,
+            detected_at=r.detected_at,
+            resumed_at=r.resumed_at,
+            steps_lost=r.steps_lost,
+        )
+        if r.resumed_from is not None:
+            recovery.resumed_from_step = r.resumed_from
     if job.mesh is not None:
         info.mesh.CopyFrom(mesh_to_pb(job.mesh))
     if job.last is not None:

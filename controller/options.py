@@ -24,6 +24,11 @@ class ControllerOptions:
         inventory_period_s: how often the Ray node table is read.
         fetch_timeout_s: how long a fetch waits when its caller gives no timeout.
         steps_ahead: steps a training job queues beyond the last one it has read.
+        heartbeat_timeout_s: a worker that sends nothing (not even its heartbeat, every
+            half second) for this long has stopped answering: its gang fails.
+        step_timeout_s: the least time a training step may stall on a worker before its
+            gang fails as stuck (the deadline is 10x the job's slowest step, if more).
+        allow_chaos: accept fault injection (`slicewise chaos`), which kills processes.
     """
 
     worker_window: int = 3
@@ -36,6 +41,9 @@ class ControllerOptions:
     inventory_period_s: float = 1.0
     fetch_timeout_s: float = 600.0
     steps_ahead: int = 4
+    heartbeat_timeout_s: float = 10.0
+    step_timeout_s: float = 20.0
+    allow_chaos: bool = False
 
     def __post_init__(self) -> None:
         for name in _COUNTS:
@@ -59,7 +67,14 @@ _COUNTS = (
     "reserve_attempts",
     "steps_ahead",
 )
-_DURATIONS = ("allocate_timeout_s", "gang_start_timeout_s", "inventory_period_s", "fetch_timeout_s")
+_DURATIONS = (
+    "allocate_timeout_s",
+    "gang_start_timeout_s",
+    "inventory_period_s",
+    "fetch_timeout_s",
+    "heartbeat_timeout_s",
+    "step_timeout_s",
+)
 
 
 # Frozen, so one instance can be every default.

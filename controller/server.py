@@ -12,8 +12,12 @@ import tempfile
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from controller.options import ControllerOptions
+
+if TYPE_CHECKING:
+    from controller.simcluster import SimulationProcess
 
 log = logging.getLogger(__name__)
 
@@ -133,9 +137,7 @@ def run(config: ServerConfig) -> int:
             logging_level=logging.WARNING,
         )
         address = simulation.address if simulation else str(config.ray_address)
-        return asyncio.run(
-            _serve(config, simulation.pid if simulation else 0, address, str(state_dir))
-        )
+        return asyncio.run(_serve(config, simulation, address, str(state_dir)))
     finally:
         ray.shutdown()
         if simulation is not None:
@@ -155,7 +157,7 @@ def _stop_at_stdin_eof(loop: asyncio.AbstractEventLoop, stop: asyncio.Event) -> 
 
 
 async def _serve(
-    config: ServerConfig, simulation_pid: int, ray_address: str, state_dir: str
+    config: ServerConfig, simulation: SimulationProcess | None, ray_address: str, state_dir: str
 ) -> int:
     import grpc
 
@@ -167,12 +169,16 @@ async def _serve(
 
     journal = Journal(Path(state_dir) / "journal.sqlite")
     controller = Controller(simulated=bool(config.sim), options=config.options, journal=journal)
+    controller.simulation = simulation
     await controller.start()
     jobs = JobRunner(controller, journal, state_dir)
     server = grpc.aio.server()
     pb_grpc.add_ControllerServicer_to_server(
         ControllerServicer(
-            controller, jobs, simulation_pid=simulation_pid, ray_address=ray_address
+            controller,
+            jobs,
+            simulation_pid=simulation.pid if simulation else 0,
+            ray_address=ray_address,
         ),
         server,
     )

@@ -451,6 +451,18 @@ class ControllerServicer(pb_grpc.ControllerServicer):
     async def KeepCheckpoint(self, request: pb.KeepCheckpointRequest, context: Any) -> pb.JobInfo:
         return messages.job_to_pb(await self.jobs.keep(request.job_id, request.step))
 
+    @_unary
+    async def InjectFault(
+        self, request: pb.InjectFaultRequest, context: Any
+    ) -> pb.InjectFaultResponse:
+        message = await self.jobs.inject_fault(
+            request.job_id,
+            request.kind,
+            request.at_step if request.HasField("at_step") else None,
+            request.process if request.HasField("process") else None,
+        )
+        return pb.InjectFaultResponse(message=message)
+
     @_streaming
     async def WatchJob(
         self, request: pb.WatchJobRequest, context: Any

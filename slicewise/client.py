@@ -169,6 +169,20 @@ class Client:
         request = pb.KeepCheckpointRequest(job_id=job_id, step=step)
         return _call(self.stub.KeepCheckpoint, request, timeout=60)
 
+    def inject_fault(
+        self, job_id: str, kind: str, *, at_step: int | None = None, process: int | None = None
+    ) -> str:
+        """Fault injection into a running job (`slicewise chaos`): `kind` is kill-worker,
+        remove-host, hang-collective or kill-controller; on host `process` (None: one at
+        random), once the job has completed `at_step` steps (None: now). Needs a controller
+        started with --allow-chaos. Returns what will happen, in words."""
+        request = pb.InjectFaultRequest(job_id=job_id, kind=kind)
+        if at_step is not None:
+            request.at_step = at_step
+        if process is not None:
+            request.process = process
+        return _call(self.stub.InjectFault, request, timeout=60).message
+
     def job(self, job_id: str) -> pb.JobInfo:
         return _call(self.stub.GetJob, pb.GetJobRequest(job_id=job_id), timeout=30)
 

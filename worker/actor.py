@@ -96,6 +96,16 @@ class HostWorker:
             seqs=[r.seq for r in batch],
         )
 
+    def _progress(self) -> dict[str, Any]:
+        """What each heartbeat carries (see controller/health.py)."""
+        progress = self.executor.progress()
+        return {
+            "oldest_seq": progress.oldest_seq,
+            "oldest_kind": progress.oldest_kind,
+            "stalled_s": progress.stalled_s,
+            "compiling": self.runtime.compiling,
+        }
+
     def _flush(self) -> None:
         if self._channel is not None:
             self._channel.flush()
@@ -157,7 +167,9 @@ class HostWorker:
             bind_address=bind_address,
             timeout_s=timeout_s,
         )
-        self._channel = WorkerEnd(self._token, epoch, self.executor.submit, self._on_sent)
+        self._channel = WorkerEnd(
+            self._token, epoch, self.executor.submit, self._on_sent, progress=self._progress
+        )
         log.info("gang %s process %d joined: %s", self.gang_id, self.process_id, info)
         return info | {"pid": os.getpid()}
 

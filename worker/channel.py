@@ -15,9 +15,13 @@ a peer that has not shown the token it was created with (Ray hands it over). Aft
     controller -> worker   ("submit", [op, ...])
     worker -> controller   ("ready", None) once, then ("done", [OpResult, ...]) as
                            operations complete, or ("error", message) when a batch is
-                           refused (a reused sequence number: a controller bug)
+                           refused (a reused sequence number: a controller bug), and
+                           ("beat", {...}) every BEAT_S seconds: the worker's progress
+                           (see executor.Progress), and the program it is compiling
 
-A worker that dies closes the connection, and the controller's next `receive` says so.
+A worker that dies closes the connection, and the controller's next `receive` says so. A
+worker that hangs, or whose host stops, goes quiet: the beats are how the controller
+tells (controller/health.py).
 """
 
 from __future__ import annotations
@@ -39,6 +43,9 @@ log = logging.getLogger(__name__)
 
 # Completions queued on a worker that are sent without waiting for a flush.
 FLUSH_AT = 64
+
+# How often a worker says it is alive, and where it is.
+BEAT_S = 0.5
 
 # Told about every frame of completions sent: (completions, started_ns, finished_ns).
 OnSent = Callable[[list[OpResult], int, int], None]
@@ -65,6 +72,8 @@ class WorkerEnd:
         epoch: int,
         submit: Callable[[list[Op]], Any],
         on_sent: OnSent | None = None,
+        progress: Callable[[], dict[str, Any]] | None = None,
+        beat_s: float = BEAT_S,
     ) -> None:
         if not token:
             raise ValueError("a control channel needs a token")
@@ -72,6 +81,8 @@ class WorkerEnd:
         self._epoch = epoch
         self._submit = submit
         self._on_sent = on_sent
+        self._progress = progress or dict
+        self._beat_s = beat_s
         self._done: list[OpResult] = []
         self._cond = threading.Condition()
         self._conn: socket.socket | None = None
@@ -116,9 +127,14 @@ class WorkerEnd:
         sender = threading.Thread(
             target=self._send_completions, args=(conn,), name="control-sender", daemon=True
         )
+        beating = threading.Event()
+        beater = threading.Thread(
+            target=self._beat, args=(conn, beating), name="control-beat", daemon=True
+        )
         try:
             self._send(conn, ("ready", None))
             sender.start()
+            beater.start()
             while True:
                 (length,) = LENGTH.unpack(_recv_exact(conn, LENGTH.size))
                 kind, payload = pickle.loads(_recv_exact(conn, length))
@@ -131,6 +147,7 @@ class WorkerEnd:
         except (OSError, EOFError, ValueError, pickle.UnpicklingError) as exc:
             log.info("control channel closed: %s", exc)
         finally:
+            beating.set()
             with self._cond:
                 self._conn = None
                 self._cond.notify_all()
@@ -141,6 +158,15 @@ class WorkerEnd:
         data = frame(message)
         with self._send_lock:
             conn.sendall(data)
+
+    def _beat(self, conn: socket.socket, stop: threading.Event) -> None:
+        """Says where this worker is, every `beat_s`, until the connection ends."""
+        while not stop.wait(self._beat_s):
+            try:
+                self._send(conn, ("beat", self._progress()))
+            except OSError as exc:
+                log.info("control channel: a heartbeat failed: %s", exc)
+                return
 
     def _send_completions(self, conn: socket.socket) -> None:
         while True:

@@ -28,6 +28,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 from slicewise.common.ops import Op, OpResult
@@ -50,6 +51,22 @@ Clock = Callable[[], int]  # wall-clock nanoseconds
 # Called whenever the executor is about to wait (for operations, or for device work):
 # completions reported since can go out together now without delaying anything.
 OnIdle = Callable[[], None]
+
+
+@dataclass(frozen=True)
+class Progress:
+    """Where the executor is, for the heartbeat: the oldest operation it holds and has not
+    completed (seq 0 when none), and for how long it has completed nothing while holding
+    work. A host stuck in a collective shows a stall that grows, at the op it is stuck in."""
+
+    oldest_seq: int = 0
+    oldest_kind: str = ""
+    stalled_s: float = 0.0
+
+
+def op_kind(op: Op) -> str:
+    """`exec`, `save`, `hang`...: an operation's type in a word."""
+    return type(op).__name__.removesuffix("Op").lower()
 
 
 class SequenceError(RuntimeError):
@@ -113,6 +130,11 @@ class InOrderExecutor:
         self._cond = threading.Condition()
         self._stopped = False
         self._max_in_flight = 0
+        # For `progress`: the operation being applied on the executor's thread, and when
+        # the executor last completed one (or got work after having none).
+        self._applying: Op | None = None
+        self._retiring: _Flight | None = None  # taken off the window, being waited for
+        self._progress_ns = clock()
         self._thread = threading.Thread(target=self._loop, name="in-order-executor", daemon=True)
         self._watcher = threading.Thread(target=self._watch, name="executor-watcher", daemon=True)
         self._thread.start()
@@ -132,6 +154,23 @@ class InOrderExecutor:
         """The most operations ever outstanding at once (for tests and stats)."""
         return self._max_in_flight
 
+    def progress(self) -> Progress:
+        """The oldest operation held and not completed, and how long nothing completed
+        (safe to call from any thread: a racy read only ever reports an op a moment old)."""
+        with self._cond:
+            waiting = self._waiting.get(self._next)
+        # A program whose outputs are ready is done, though the executor's thread (busy,
+        # or stuck, on a later op) has not reported it yet.
+        flights = [self._retiring, *list(self._in_flight)]
+        running = [f.op for f in flights if f is not None and not f.done.is_set()]
+        oldest = running[0] if running else self._applying
+        if oldest is None and waiting is not None:
+            oldest = waiting[0]
+        if oldest is None:
+            return Progress()
+        stalled = max(0, self._clock() - self._progress_ns) / 1e9
+        return Progress(oldest.seq, op_kind(oldest), stalled)
+
     def submit(self, ops: Sequence[Op]) -> list[Future[OpResult]]:
         """Queues operations; each future resolves once that operation has completed.
 
@@ -149,6 +188,8 @@ class InOrderExecutor:
                         f"operation {op.seq} was already submitted (next expected {self._next})"
                     )
                 seen.add(op.seq)
+            if not self._waiting and not self._in_flight and self._applying is None:
+                self._progress_ns = self._clock()  # idle until now: no stall so far
             for op in ops:
                 fut: Future[OpResult] = Future()
                 self._waiting[op.seq] = (op, fut)
@@ -188,11 +229,14 @@ class InOrderExecutor:
 
     def _launch(self, op: Op, fut: Future[OpResult]) -> None:
         launched = self._clock()
+        self._applying = op
         try:
             pending = self._apply(op)
         except Exception as exc:  # noqa: BLE001 - reported to the controller, not raised
             self._finish(op, fut, launched, launched, self._clock(), exc)
             return
+        finally:
+            self._applying = None
         if pending is None:  # done on this thread: it ran from launch to now
             self._finish(op, fut, launched, launched, self._clock(), None)
         else:
@@ -217,8 +261,9 @@ class InOrderExecutor:
         when that program ran (see `_Flight`)."""
         if not self._in_flight:
             return
-        flight = self._in_flight.popleft()
+        flight = self._retiring = self._in_flight.popleft()
         flight.done.wait()
+        self._retiring = None
         started = max(flight.launched_ns, self._devices_free_ns)
         self._devices_free_ns = flight.ready_ns
         self._finish(
@@ -245,6 +290,7 @@ class InOrderExecutor:
         if message is not None and self._on_failure is not None:
             self._on_failure(op, message)
         result = OpResult(op.seq, message, values, started_ns, finished_ns)
+        self._progress_ns = self._clock()
         if self._on_done is not None:
             self._on_done(op, launched_ns, finished_ns, result)
         fut.set_result(result)

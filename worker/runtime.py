@@ -25,6 +25,7 @@ from slicewise.common.ops import (
     CloseCheckpointsOp,
     DeleteOp,
     ExecOp,
+    HangOp,
     LoadOp,
     Op,
     PinOp,
@@ -48,6 +49,7 @@ class _Program:
     call: Any
     in_shardings: tuple[Any, ...]
     num_outputs: int
+    called: bool = False  # the first call compiles
 
 
 class _Outputs:
@@ -84,6 +86,9 @@ class JaxRuntime:
         # Open checkpoint directories, by (directory, barrier prefix); created by the
         # first checkpoint operation on them (jax.distributed is up by then).
         self._checkpointers: dict[tuple[str, str], QueuedCheckpointer] = {}
+        # The program being compiled (its first call), for the heartbeat: a host that
+        # compiles is busy, not stuck, and the others wait for it in the first collective.
+        self.compiling = ""
 
     # -- formation -----------------------------------------------------------------
 
@@ -163,6 +168,9 @@ class JaxRuntime:
             self._restore(op)
         elif isinstance(op, CloseCheckpointsOp):
             self._close_checkpointer(op)
+        elif isinstance(op, HangOp):
+            log.warning("fault injection: this host's executor stops for %g s", op.seconds)
+            time.sleep(op.seconds)
         else:
             raise TypeError(f"unknown operation {op!r}")
         return None
@@ -363,7 +371,15 @@ class JaxRuntime:
             if want is not None and not arg.sharding.is_equivalent_to(want, arg.ndim):
                 arg = jax.device_put(arg, want)
             args.append(arg)
-        outputs = self._call(program, args)
+        if program.called:
+            outputs = self._call(program, args)
+        else:
+            self.compiling = program.name
+            try:
+                outputs = self._call(program, args)
+            finally:
+                self.compiling = ""
+                program.called = True
         if len(outputs) != len(op.outputs):
             raise RuntimeError(
                 f"program returned {len(outputs)} arrays, controller expected {len(op.outputs)}"

@@ -129,7 +129,29 @@ class CloseCheckpointsOp:
     timeout_s: float = 1200.0
 
 
-Op = PutOp | LoadOp | ExecOp | DeleteOp | PinOp | BatchOp | SaveOp | RestoreOp | CloseCheckpointsOp
+@dataclass(frozen=True)
+class HangOp:
+    """Fault injection (`slicewise chaos hang-collective`): the worker's executor stops
+    here for `seconds`, as a host stuck in a collective would. Sent to one worker, with
+    an empty DeleteOp in its place for the others: they go on to the next program and
+    wait in its collectives for the host that never comes."""
+
+    seq: int
+    seconds: float
+
+
+Op = (
+    PutOp
+    | LoadOp
+    | ExecOp
+    | DeleteOp
+    | PinOp
+    | BatchOp
+    | SaveOp
+    | RestoreOp
+    | CloseCheckpointsOp
+    | HangOp
+)
 
 
 @dataclass(frozen=True)

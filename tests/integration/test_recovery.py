@@ -1,65 +1,121 @@
-"""A worker of a 2-slice training job is SIGKILLed at a random step: the job notices (its
-gang fails, the host named), recovers by itself (RECOVERING, a new gang, the newest
-committed step restored), ends `succeeded`, and its loss at every step equals the loss of
-an uninterrupted run, bit for bit."""
+"""A 2-slice training job meets a fault at a random step: a worker SIGKILLed, its host
+removed (raylet and all), or one host hung before a step while the other waits in the
+step's collectives. Each time the job notices (its gang fails, the host and the cause
+named), recovers by itself (RECOVERING, a new gang, the newest committed step restored),
+ends `succeeded`, and its loss at every step equals the loss of an uninterrupted run,
+bit for bit.
+
+The faults are injected the way a user would (`Client.inject_fault`, i.e. `slicewise
+chaos`) into a controller of its own: three v5litepod-4 slices (a spare for the job to
+move to when a host is removed), fault injection on, and a step watchdog of a few
+seconds (the job's steps take milliseconds here; the default is 20 s).
+"""
 
 from __future__ import annotations
 
 import os
 import random
-import signal
 
 import pytest
 
+import slicewise
 from protos import controller_pb2 as pb
-from slicewise.testing import wait_until
-from tests.integration.test_checkpoint_crash import worker_pids
-from tests.integration.test_checkpoints import finished, run_job, submit_lm, watch_messages
+from tests.integration.conftest import start_controller
+from tests.integration.test_checkpoints import (
+    assert_losses_match,
+    finished,
+    run_job,
+    submit_lm,
+    watch_messages,
+)
 
 pytestmark = pytest.mark.integration
 
 STEPS, EVERY = 40, 10
+STEP_TIMEOUT_S = 8
+
+# What the controller says the cause was, for each fault.
+CAUSES = {
+    "kill-worker": "closed its control channel (the worker process died or was killed)",
+    "remove-host": "closed its control channel (the worker process died or was killed)",
+    "hang-collective": "a collective is stuck on host",
+}
 
 
 @pytest.fixture(scope="module")
-def uninterrupted(client):
+def chaos_controller(tmp_path_factory):
+    proc = start_controller(
+        tmp_path_factory,
+        "recovery-controller",
+        sim="3xv5litepod-4",
+        extra_args=("--allow-chaos", "--step-timeout", str(STEP_TIMEOUT_S)),
+    )
+    try:
+        yield proc
+    finally:
+        assert proc.stop() == 0
+
+
+@pytest.fixture(scope="module")
+def chaos_client(chaos_controller):
+    with slicewise.connect(chaos_controller.address, name=f"recovery-{os.getpid()}") as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(chaos_client):
     """The reference: STEPS steps in one go, no checkpoints."""
-    return run_job(client, STEPS, checkpoint_every=0)
+    return run_job(chaos_client, STEPS, checkpoint_every=0)
 
 
 @pytest.mark.timeout(900)
-def test_a_job_whose_worker_is_killed_recovers_by_itself_with_the_same_losses(
-    client, uninterrupted
+@pytest.mark.parametrize("kind", ["kill-worker", "remove-host", "hang-collective"])
+def test_a_job_recovers_by_itself_from_a_fault_with_the_same_losses(
+    kind, chaos_client, uninterrupted
 ):
+    client = chaos_client
     seed = int.from_bytes(os.urandom(4), "little")
     rng = random.Random(seed)
     at, victim = rng.randint(EVERY + 1, STEPS - 5), rng.randrange(2)
-    print(f"seed {seed}: worker {victim} is killed once step {at} is done")
-    job = submit_lm(
-        client,
-        STEPS,
-        checkpoint_every=EVERY,
-    )
+    print(f"seed {seed}: {kind} of process {victim} once step {at} is done")
+    job = submit_lm(client, STEPS, checkpoint_every=EVERY)
     watcher, messages = watch_messages(client, job.job_id)
-    info = wait_until(
-        lambda: (i := client.job(job.job_id)).step >= at and i.HasField("committed_step") and i,
-        timeout_s=300,
-        interval_s=0.05,
-        what=f"job {job.job_id} to pass step {at} with a committed checkpoint",
-    )
-    failed_gang = info.gang_id
-    os.kill(worker_pids(client, failed_gang)[victim], signal.SIGKILL)
+    said = client.inject_fault(job.job_id, kind, at_step=at, process=victim)
+    assert said == f"job {job.job_id}: {kind} of process {victim}, once step {at} is done"
 
     done, steps = finished(client, job.job_id)
     watcher.join(timeout=60)
+    assert done.state == pb.JOB_STATE_SUCCEEDED and done.committed_step == STEPS
     assert done.failures == 1 and done.max_failures == 3
-    assert done.gang_id != failed_gang
-    assert done.HasField("resumed_from_step") and done.resumed_from_step % EVERY == 0
-    assert done.resumed_from_step >= info.committed_step
+    (recovery,) = done.recoveries
+    host = f"host 0 of slice {'sim-'}"
+    assert host in recovery.cause and CAUSES[kind] in recovery.cause, recovery.cause
+    # Detected at the fault, give or take the steps queued around it: a kill at `at` may
+    # still let those queued behind it (up to 4, plus one in flight) complete on both
+    # hosts; a host that hangs before step `at` does not report what it finished last.
+    assert abs(recovery.failed_at_step - at) <= 5, (at, recovery)
+    assert recovery.HasField("resumed_from_step") and recovery.resumed_from_step % EVERY == 0
+    assert recovery.resumed_from_step <= recovery.failed_at_step
+    assert recovery.steps_lost == recovery.failed_at_step - recovery.resumed_from_step
+    assert 0 < recovery.fault_at <= recovery.detected_at < recovery.resumed_at
     recovering = [m for m in messages if "recovering (1/3)" in m]
-    assert recovering and f"gang {failed_gang} failed" in recovering[0], messages
-    assert "the worker process died or was killed" in recovering[0]
+    assert recovering and CAUSES[kind] in recovering[0], messages
     # Every step once, each with the uninterrupted run's loss, bit for bit.
     assert [s.step for s in steps] == list(range(STEPS))
-    assert [s.loss for s in steps] == [s.loss for s in uninterrupted[1]]
-    assert done.state == pb.JOB_STATE_SUCCEEDED and done.committed_step == STEPS
+    assert_losses_match(steps, uninterrupted[1], after=f"{kind} at step {at}")
+
+
+def test_fault_injection_says_what_is_wrong_with_a_request(chaos_client):
+    client = chaos_client
+    job = submit_lm(client, STEPS, checkpoint_every=0)
+    try:
+        with pytest.raises(slicewise.InvalidRequestError, match="unknown fault 'explode'"):
+            client.inject_fault(job.job_id, "explode", at_step=5)
+        with pytest.raises(slicewise.InvalidRequestError, match=r"processes 0\.\.1"):
+            client.inject_fault(job.job_id, "kill-worker", at_step=5, process=2)
+        with pytest.raises(slicewise.InvalidRequestError, match="before its last"):
+            client.inject_fault(job.job_id, "kill-worker", at_step=STEPS)
+        with pytest.raises(slicewise.NotFoundError):
+            client.inject_fault("j999", "kill-worker", at_step=5)
+    finally:
+        client.cancel_job(job.job_id)

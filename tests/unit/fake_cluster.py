@@ -6,6 +6,7 @@ check what was reserved, started, killed and removed, and that nothing is left b
 from __future__ import annotations
 
 import asyncio
+import time
 from typing import Any
 
 from controller.backend import HostBundle, Reservation, Worker, WorkerSpec
@@ -95,7 +96,13 @@ class FakeChannel:
         self.name = name
         self.sent: list[Op] = []
         self.closed = False
+        self.progress: dict[str, Any] = {}
         self._results: asyncio.Queue[list[OpResult] | Exception] = asyncio.Queue()
+
+    @property
+    def heard_at(self) -> float:
+        """A fake worker always answers (a dead one fails `receive` instead)."""
+        return time.monotonic()
 
     async def send(self, ops: list[Op]) -> None:
         self.sent.extend(ops)

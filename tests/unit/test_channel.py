@@ -24,8 +24,8 @@ def run(coro):
 class Worker:
     """A data server whose control connections go to a WorkerEnd feeding a real executor."""
 
-    def __init__(self, epoch=1, apply=lambda op: None):
-        self.end = WorkerEnd(TOKEN, epoch, self.submit)
+    def __init__(self, epoch=1, apply=lambda op: None, **end_kwargs):
+        self.end = WorkerEnd(TOKEN, epoch, self.submit, **end_kwargs)
         self.executor = InOrderExecutor(
             apply,
             on_done=lambda op, s, f, result: self.end.completed(result),
@@ -178,3 +178,36 @@ def test_operations_that_complete_back_to_back_come_back_in_one_frame(worker):
 def test_a_worker_end_without_a_token_cannot_be_made():
     with pytest.raises(ValueError, match="needs a token"):
         WorkerEnd("", 1, lambda ops: None)
+
+
+def test_heartbeats_carry_the_workers_progress_and_never_come_out_as_completions():
+    beats = []
+
+    def progress():
+        beats.append(None)
+        return {"oldest_seq": 7, "oldest_kind": "exec", "stalled_s": 1.5, "compiling": ""}
+
+    worker = Worker(progress=progress, beat_s=0.01)
+
+    async def scenario():
+        channel = await ControllerEnd.connect(worker.server.address, TOKEN, 1, "host 0")
+        connected = channel.heard_at
+        # Beats only: a receive would wait for ever, so it is given until beats came.
+        receiving = asyncio.ensure_future(channel.receive())
+        while len(beats) < 3:
+            await asyncio.sleep(0.01)
+        while not channel.progress:
+            await asyncio.sleep(0.01)
+        assert not receiving.done()
+        await channel.send([DeleteOp(1, ())])
+        done = await receiving
+        channel.close()
+        return connected, channel, done
+
+    try:
+        connected, channel, done = run(scenario())
+    finally:
+        worker.close()
+    assert [r.seq for r in done] == [1]
+    assert channel.progress["oldest_seq"] == 7 and channel.progress["stalled_s"] == 1.5
+    assert channel.heard_at > connected

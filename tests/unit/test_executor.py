@@ -6,7 +6,7 @@ import pytest
 
 from slicewise.common.ops import DeleteOp, ExecOp
 from slicewise.testing import wait_until
-from worker.executor import InOrderExecutor, SequenceError
+from worker.executor import InOrderExecutor, Progress, SequenceError
 
 TIMEOUT = 5.0  # the longest any test waits for something that should happen
 QUIET = 0.05  # how long a test watches for something that must not happen
@@ -375,3 +375,50 @@ def test_ops_that_never_ran_report_no_time():
     executor.stop()
     (result,) = results(queued)
     assert (result.started_ns, result.finished_ns, result.seconds) == (0, 0, 0.0)
+
+
+class FakeClock:
+    def __init__(self):
+        self.now_ns = 1_000_000_000
+
+    def __call__(self):
+        return self.now_ns
+
+
+def test_progress_names_the_oldest_unfinished_op_and_how_long_nothing_completed(start):
+    clock = FakeClock()
+    device = FakeDevice(gated=True)
+    executor = start(device, window=2, clock=clock)
+    assert executor.progress() == Progress()  # idle: nothing held, no stall
+    clock.now_ns += 5_000_000_000  # idle time is not a stall
+    executor.submit([op(1), op(2)])
+    device.wait_launched(2)
+    clock.now_ns += 3_000_000_000
+    assert executor.progress() == Progress(1, "delete", 3.0)
+    device.open(1)
+    wait_until(lambda: executor.progress().oldest_seq == 2, timeout_s=TIMEOUT, what="op 1 done")
+    device.open(2)
+    wait_until(lambda: executor.progress() == Progress(), timeout_s=TIMEOUT, what="all done")
+
+
+def test_progress_skips_programs_whose_outputs_are_ready_while_a_later_op_blocks(start):
+    clock = FakeClock()
+    blocked = threading.Event()
+    release = threading.Event()
+    device = FakeDevice()
+
+    def apply(operation):
+        if operation.seq == 2:  # a hung host: the executor's thread stops here
+            blocked.set()
+            release.wait(TIMEOUT)
+            return None
+        return device(operation)
+
+    apply.open_all = release.set  # for the fixture's teardown
+    executor = start(apply, window=3, clock=clock)
+    executor.submit([op(1), op(2)])
+    assert blocked.wait(TIMEOUT)
+    # Op 1's work is done (ungated) but unreported: the thread that reports it is stuck.
+    wait_until(lambda: device.running == 0, timeout_s=TIMEOUT, what="op 1's work done")
+    assert executor.progress().oldest_seq == 2
+    release.set()

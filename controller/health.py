@@ -1,0 +1,100 @@
+"""How the controller tells that a gang's worker is gone, stopped or stuck.
+
+A worker process that dies closes its control channel, and the dispatcher notices at
+once. Two failures close nothing, and multi-controller JAX waits forever on both (jax
+issue 38503):
+
+- a worker, or its whole host, that stops answering: no frame arrives on its control
+  channel, although every worker sends a heartbeat every half second
+  (worker/channel.py);
+- a collective that never completes: one host is stuck (in a collective, or before it)
+  while the others wait in it. Every host's heartbeat says which operation it has held
+  the longest without completing it, and for how long it has completed nothing. When
+  that stall passes the gang's step deadline (set by the job that runs on it, from its
+  own step times), the gang fails, naming the host that is behind.
+
+`diagnose` is the judgement, a pure function of what the heartbeats said; `Gang` runs it
+every `WATCH_PERIOD_S` while it is usable.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+# How often a gang looks at its workers' heartbeats.
+WATCH_PERIOD_S = 0.25
+
+# Operations that may rightly take long with nothing completing: reading a checkpoint,
+# waiting for one to commit, loading a program. A host compiling a program (its first
+# call) says so in its heartbeat, and no stall counts while one does: the others wait for
+# it in the first collective.
+UNWATCHED_KINDS = frozenset({"restore", "closecheckpoints", "load"})
+
+
+@dataclass(frozen=True)
+class HostReport:
+    """What the controller knows of one worker from its control channel.
+
+    Attributes:
+        name: the host, in words ("host 0 of slice sim-1-v5litepod-4").
+        silent_s: seconds since anything arrived from its worker.
+        oldest_seq: the oldest operation the worker holds and has not completed (0: none).
+        oldest_kind: that operation's type ("exec", "save", "hang", ...).
+        stalled_s: seconds the worker has completed nothing while holding work.
+        compiling: the program it is compiling, if any.
+    """
+
+    name: str
+    silent_s: float
+    oldest_seq: int = 0
+    oldest_kind: str = ""
+    stalled_s: float = 0.0
+    compiling: str = ""
+
+
+def diagnose(
+    hosts: Sequence[HostReport], *, heartbeat_timeout_s: float, step_deadline_s: float | None
+) -> str | None:
+    """Why the gang must fail now, or None while every host is answering and moving.
+
+    Args:
+        hosts: one report per worker of the gang.
+        heartbeat_timeout_s: a worker silent this long has stopped answering.
+        step_deadline_s: a stall this long is a stuck collective; None: stalls are not
+            judged (a client's gang, whose programs may run as long as they like).
+    """
+    silent = [h for h in hosts if h.silent_s > heartbeat_timeout_s]
+    if silent:
+        quietest = max(silent, key=lambda h: h.silent_s)
+        others = f" (and {len(silent) - 1} more)" if len(silent) > 1 else ""
+        return (
+            f"{quietest.name}{others} stopped answering: nothing heard from its worker for "
+            f"{quietest.silent_s:.1f} s (limit {heartbeat_timeout_s:g} s, "
+            "--heartbeat-timeout): the process is hung or stopped, or its host is unreachable"
+        )
+    if step_deadline_s is None or any(h.compiling for h in hosts):
+        return None
+    busy = [h for h in hosts if h.oldest_seq]
+    stuck = [h for h in busy if h.oldest_kind not in UNWATCHED_KINDS]
+    if not any(h.stalled_s > step_deadline_s for h in stuck):
+        return None
+    limit = f"limit {step_deadline_s:.1f} s, --step-timeout"
+    behind = min(h.oldest_seq for h in busy)
+    laggards = [h for h in busy if h.oldest_seq == behind]
+    waiting = [h for h in busy if h.oldest_seq != behind]
+    first = laggards[0]
+    if not waiting:
+        return (
+            f"op {behind} ({first.oldest_kind}) has not completed on any of the "
+            f"{len(laggards)} host(s) working on it for {max(h.stalled_s for h in laggards):.1f} s "
+            f"({limit}): a collective that never completes"
+        )
+    names = ", ".join(h.name for h in laggards)
+    ahead = min(h.oldest_seq for h in waiting)
+    kind = next(h.oldest_kind for h in waiting if h.oldest_seq == ahead)
+    return (
+        f"a collective is stuck on {names}: stuck at op {behind} ({first.oldest_kind}) for "
+        f"{first.stalled_s:.1f} s while {len(waiting)} other host(s) wait in op {ahead} "
+        f"({kind}) ({limit})"
+    )
