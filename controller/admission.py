@@ -18,6 +18,7 @@ from typing import Any
 from controller.backend import ClusterBackend
 from controller.gang import LOST_POLL_S, Gang, SliceLostError
 from controller.gangstate import GangState, why_unusable
+from controller.health import raylet_answers
 from controller.inventory import Slice, slices_from_nodes
 from controller.options import DEFAULT_OPTIONS, ControllerOptions
 from controller.scheduler import (
@@ -75,6 +76,8 @@ class GangManager:
         self._deferred: dict[str, list[Preempt | ForceRelease]] = {}
         self._resuming: dict[str, asyncio.Task[None]] = {}
         self._allocating: set[str] = set()  # requests of allocations under way
+        # Ray nodes found gone (their raylet does not answer) before Ray noticed.
+        self._lost_nodes: set[str] = set()
         self._refresher: asyncio.Task[None] | None = None
         self._background: set[asyncio.Future[Any]] = set()
 
@@ -101,10 +104,27 @@ class GangManager:
         await asyncio.gather(*self._background, return_exceptions=True)
 
     async def refresh_inventory(self) -> dict[str, Slice]:
-        slices = slices_from_nodes(await asyncio.to_thread(self._backend.nodes))
+        nodes = await asyncio.to_thread(self._backend.nodes)
+        # Once Ray says so too, a lost node needs no remembering.
+        self._lost_nodes -= {n["NodeID"] for n in nodes if not n.get("Alive")}
+        slices = slices_from_nodes(nodes, self._lost_nodes)
         self.scheduler.set_inventory(slices)
         self.decide()
         return slices
+
+    async def check_hosts(self, gang: Gang) -> list[str]:
+        """Asks the raylet of every host of a failed gang whether it is still there;
+        marks the hosts that do not answer as lost (their slices are broken from now on,
+        not once Ray's health checks notice, seconds later) and names them."""
+        hosts = [(s, h) for s in gang.slices for h in s.hosts if h.alive]
+        answers = await asyncio.gather(
+            *(asyncio.to_thread(raylet_answers, h.address, h.port) for _, h in hosts)
+        )
+        lost = [(s, h) for (s, h), up in zip(hosts, answers, strict=True) if not up]
+        if lost:
+            self._lost_nodes.update(h.node_id for _, h in lost)
+            await self.refresh_inventory()
+        return [f"host {h.worker_id} of slice {s.name}" for s, h in lost]
 
     async def _refresh_forever(self) -> None:
         while True:

@@ -32,6 +32,7 @@ def _controller(args: argparse.Namespace) -> int:
                 heartbeat_timeout_s=args.heartbeat_timeout,
                 step_timeout_s=args.step_timeout,
                 allow_chaos=args.allow_chaos,
+                compilation_cache_dir=args.compilation_cache,
             ),
         )
     except ValueError as exc:
@@ -321,6 +322,14 @@ def build_parser() -> argparse.ArgumentParser:
         "job then recovers (default %(default)s)",
     )
     p.add_argument(
+        "--compilation-cache",
+        metavar="DIR",
+        default="",
+        help="JAX's persistent compilation cache for the workers, a path every host can "
+        "read (e.g. gs://...): a recovered gang loads its programs instead of compiling "
+        "them (default: <state-dir>/jax-cache with --sim, none otherwise)",
+    )
+    p.add_argument(
         "--allow-chaos",
         action="store_true",
         help="accept fault injection (slicewise chaos): it kills processes; for tests and "
@@ -369,8 +378,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout", type=float, default=10.0)
     p.set_defaults(func=_status)
 
-    p = sub.add_parser("demo", help="start a simulated cluster and run a sharded program on it")
-    p.add_argument("--sim", default="2xv5litepod-4", metavar="SPEC")
+    p = sub.add_parser(
+        "demo",
+        help="start a simulated cluster, run a sharded program on it, then a training job "
+        "that loses a host and recovers by itself",
+    )
+    p.add_argument(
+        "--sim",
+        default="3xv5litepod-4",
+        metavar="SPEC",
+        help="the simulated cluster; a third slice is the spare the job moves to "
+        "(default %(default)s)",
+    )
     p.set_defaults(func=_demo)
 
     p = sub.add_parser(

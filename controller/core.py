@@ -175,7 +175,9 @@ class Controller:
         GangManager.release); keeps the workers' timelines for a later trace."""
         gang, attachment = self.manager.resolve(gang_id, usable=False)
         if not attachment or len(gang.attachments) == 1:
-            self._archived_spans[gang.gang_id] = await gang.collect_spans(timeout_s=5.0)
+            # A failed gang's lost workers never answer, and a job waits to recover.
+            wait = 1.0 if gang.state is GangState.FAILED else 5.0
+            self._archived_spans[gang.gang_id] = await gang.collect_spans(timeout_s=wait)
             while len(self._archived_spans) > 32:
                 self._archived_spans.popitem(last=False)
         await self.manager.release(gang_id, why, requeue=requeue)

@@ -291,6 +291,8 @@ class Gang:
                     if self.simulated
                     else tpu_host_env(placement, head.address)
                 ) | worker_env()
+                if self.options.compilation_cache_dir:
+                    env["JAX_COMPILATION_CACHE_DIR"] = self.options.compilation_cache_dir
                 spec = WorkerSpec(
                     worker_name(self.gang_id, self.epoch, placement.process_id),
                     self.gang_id,

@@ -14,11 +14,14 @@ issue 38503):
   own step times), the gang fails, naming the host that is behind.
 
 `diagnose` is the judgement, a pure function of what the heartbeats said; `Gang` runs it
-every `WATCH_PERIOD_S` while it is usable.
+every `WATCH_PERIOD_S` while it is usable. When a gang fails, `raylet_answers` tells
+whether its hosts are still there (admission.py marks the ones that are not as lost, so
+no new gang is placed on them while Ray has not noticed yet).
 """
 
 from __future__ import annotations
 
+import socket
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -98,3 +101,16 @@ def diagnose(
         f"{first.stalled_s:.1f} s while {len(waiting)} other host(s) wait in op {ahead} "
         f"({kind}) ({limit})"
     )
+
+
+def raylet_answers(address: str, port: int, timeout_s: float = 1.0) -> bool:
+    """Whether a host's raylet accepts a connection: when a worker's channel closes,
+    this tells a dead process (the raylet answers) from a lost host (it does not),
+    seconds before Ray's own health checks mark the node dead. Unknown: True."""
+    if not address or not port:
+        return True
+    try:
+        with socket.create_connection((address, port), timeout=timeout_s):
+            return True
+    except OSError:
+        return False

@@ -7,7 +7,7 @@ when every host of its type is alive; only intact slices can be allocated.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence, Set
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,6 +30,7 @@ class Host:
     worker_id: int
     chips: int
     alive: bool
+    port: int = 0  # its raylet's (Ray's NodeManagerPort): answers while the host is up
 
 
 @dataclass(frozen=True)
@@ -54,8 +55,12 @@ class Slice:
         raise LookupError(f"slice {self.name} has no live host {worker_id}")
 
 
-def slices_from_nodes(nodes: Iterable[Mapping[str, Any]]) -> dict[str, Slice]:
-    """Groups Ray nodes that carry TPU labels into slices, by slice name."""
+def slices_from_nodes(
+    nodes: Iterable[Mapping[str, Any]], lost: Set[str] = frozenset()
+) -> dict[str, Slice]:
+    """Groups Ray nodes that carry TPU labels into slices, by slice name. Nodes in `lost`
+    count as dead though Ray may not have noticed yet (the controller found their
+    raylet gone: Ray's own health checks take several seconds more)."""
     grouped: dict[str, list[tuple[Host, SliceType, bool]]] = {}
     for node in nodes:
         labels = node.get("Labels") or {}
@@ -69,7 +74,8 @@ def slices_from_nodes(nodes: Iterable[Mapping[str, Any]]) -> dict[str, Slice]:
             address=node.get("NodeManagerAddress", ""),
             worker_id=int(labels.get(WORKER_ID_LABEL, 0)),
             chips=int((node.get("Resources") or {}).get("TPU", 0)),
-            alive=bool(node.get("Alive")),
+            alive=bool(node.get("Alive")) and node["NodeID"] not in lost,
+            port=int(node.get("NodeManagerPort") or 0),
         )
         grouped.setdefault(name, []).append((host, stype, labels.get(SIMULATED_LABEL) == "true"))
     slices = {}

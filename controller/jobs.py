@@ -414,7 +414,14 @@ class JobRunner:
     async def _recover(self, job: Job, gang: Gang, cause: str) -> None:
         """Moves the job to RECOVERING and lets go of its failed gang (every worker of
         it, and with them its jax.distributed cluster); `_run` then takes a new gang
-        and restores the newest committed step, as a preempted job does."""
+        (never on a host found lost) and restores the newest committed step, as a
+        preempted job does."""
+        lost = await self.controller.manager.check_hosts(gang)
+        if lost:
+            cause = (
+                f"{', '.join(lost)} lost (its raylet does not answer: the host is down or "
+                f"unreachable); {cause}"
+            )
         job.failures += 1
         fault_at = max((f.fired_at for f in job.faults if f.fired_at), default=0.0)
         job.recoveries.append(

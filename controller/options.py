@@ -29,6 +29,11 @@ class ControllerOptions:
         step_timeout_s: the least time a training step may stall on a worker before its
             gang fails as stuck (the deadline is 10x the job's slowest step, if more).
         allow_chaos: accept fault injection (`slicewise chaos`), which kills processes.
+        compilation_cache_dir: JAX's persistent compilation cache for the workers ("":
+            none): a gang started again after a failure loads its programs from it
+            instead of compiling them again (seconds of a recovery on CPU; minutes for
+            a large model on TPU). A path every host can read (e.g. gs://...); only
+            process 0 writes it.
     """
 
     worker_window: int = 3
@@ -44,6 +49,7 @@ class ControllerOptions:
     heartbeat_timeout_s: float = 10.0
     step_timeout_s: float = 20.0
     allow_chaos: bool = False
+    compilation_cache_dir: str = ""
 
     def __post_init__(self) -> None:
         for name in _COUNTS:

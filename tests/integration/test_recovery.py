@@ -37,7 +37,7 @@ STEP_TIMEOUT_S = 8
 # What the controller says the cause was, for each fault.
 CAUSES = {
     "kill-worker": "closed its control channel (the worker process died or was killed)",
-    "remove-host": "closed its control channel (the worker process died or was killed)",
+    "remove-host": "lost (its raylet does not answer: the host is down or unreachable)",
     "hang-collective": "a collective is stuck on host",
 }
 
