@@ -139,6 +139,7 @@ def _train(args: argparse.Namespace) -> int:
                 keep_checkpoints=args.keep_checkpoints,
                 keep_steps=args.keep_step,
                 max_failures=args.max_failures,
+                elastic_min_slices=args.elastic,
             )
         except SlicewiseError as exc:
             print(f"slicewise train: {exc}", file=sys.stderr)
@@ -435,6 +436,13 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="N",
         help="gang failures (a worker or host lost) the job recovers from by itself, "
         "from its newest committed checkpoint, before it fails (default: 3)",
+    )
+    p.add_argument(
+        "--elastic",
+        type=int,
+        metavar="MIN_SLICES",
+        help="when a slice is lost and no spare is free, continue on as few as MIN_SLICES "
+        "slices (same global batch) and grow back at a checkpoint once slices return",
     )
     p.add_argument(
         "--keep-checkpoints",

@@ -102,6 +102,8 @@ class JobSpec:
     keep_steps: tuple[int, ...] = ()
     # Failures of its gang (a worker or host lost) it recovers from; then it fails.
     max_failures: int = DEFAULT_MAX_FAILURES
+    # Elastic: the fewest slices it continues on after losing one (0: not elastic).
+    elastic_min_slices: int = 0
 
     def __post_init__(self) -> None:
         if self.checkpoint_every < 0:
@@ -131,6 +133,8 @@ class JobSpec:
             raise InvalidRequestError(f"steps must be at least 1, got {self.steps}")
         if self.num_slices < 1:
             raise InvalidRequestError(f"a job needs at least 1 slice, asked for {self.num_slices}")
+        if self.elastic_min_slices:
+            self._check_elastic()
         for name, _, _ in self.mesh:
             if name not in (DATA_AXIS, FSDP_AXIS, TENSOR_AXIS):
                 raise InvalidRequestError(
@@ -139,10 +143,36 @@ class JobSpec:
                     "(tensor parallel)"
                 )
 
+    def _check_elastic(self) -> None:
+        if not 1 <= self.elastic_min_slices <= self.num_slices:
+            raise InvalidRequestError(
+                f"elastic_min_slices must be between 1 and the job's {self.num_slices} "
+                f"slice(s), got {self.elastic_min_slices}"
+            )
+        if self.checkpoint_every == 0 or self.gang_id:
+            raise InvalidRequestError(
+                "an elastic job needs checkpoints (checkpoint_every > 0), which it continues "
+                "from on fewer slices, and a gang of its own (no gang_id)"
+            )
+        for name, dcn, _ in self.mesh:
+            if dcn > 1 and name != DATA_AXIS:
+                raise InvalidRequestError(
+                    f"an elastic job can only lose slices of its {DATA_AXIS!r} axis; mesh axis "
+                    f"{name!r} spans {dcn} slices"
+                )
+
     def mesh_for(self, gang: GangShape) -> MeshSpec:
         """The job's mesh on a gang; by default data parallel across slices (DCN) and FSDP
-        over the chips of each slice (ICI)."""
-        if self.mesh:
+        over the chips of each slice (ICI). An elastic job's data axis spans however many
+        slices its gang has (the global batch stays: each slice takes more of it)."""
+        if self.mesh and self.elastic_min_slices:
+            mesh = MeshSpec(
+                tuple(
+                    MeshAxis(n, gang.num_slices if n == DATA_AXIS else d, i)
+                    for n, d, i in self.mesh
+                )
+            )
+        elif self.mesh:
             mesh = MeshSpec(tuple(MeshAxis(n, d, i) for n, d, i in self.mesh))
         else:
             mesh = MeshSpec.build({DATA_AXIS: gang.num_slices}, {FSDP_AXIS: gang.chips_per_slice})
@@ -164,6 +194,7 @@ class JobSpec:
             "keep_checkpoints": self.keep_checkpoints,
             "keep_steps": list(self.keep_steps),
             "max_failures": self.max_failures,
+            "elastic_min_slices": self.elastic_min_slices,
         }
 
 
@@ -244,6 +275,7 @@ class Job:
     # is a multiple of it (controller/health.py).
     slowest_step_s: float = 0.0
     compiled_at: int = -1  # the first step of the latest start: it compiled the program
+    gang_slices: int = 0  # the slices of the gang it runs on now (fewer: elastic)
 
     def transition(self, new: JobState, *, epoch: int | None = None) -> None:
         """The one place a job's state changes. A change from an older epoch (a start that
@@ -290,6 +322,7 @@ def _spec_from_json(data: Mapping[str, Any]) -> JobSpec:
         data.get("keep_checkpoints", 0),
         tuple(data.get("keep_steps", ())),
         data.get("max_failures", DEFAULT_MAX_FAILURES),
+        data.get("elastic_min_slices", 0),
     )
 
 

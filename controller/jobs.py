@@ -330,15 +330,18 @@ class JobRunner:
         owned = not job.spec.gang_id  # a gang the job allocated is released with it
         try:
             while True:
-                if gang is None:  # the first start, or a recovery
+                if gang is None:  # the first start, a recovery, or growing back
                     if owned:
                         gang, _ = await self.controller.allocate(
-                            job.spec.num_slices, job.spec.slice_type, client=f"job {job.job_id}"
+                            self._slices_to_take(job),
+                            job.spec.slice_type,
+                            client=f"job {job.job_id}",
                         )
                     else:
                         gang = self.controller.manager.get(job.spec.gang_id)
                     events = gang.watch()
                     job.gang_id = gang.gang_id
+                    job.gang_slices = gang.shape.num_slices
                     set_log_context(gang=gang.gang_id)
                     if job.state is not JobState.RECOVERING:
                         self._move(
@@ -351,6 +354,12 @@ class JobRunner:
                 try:
                     if await self._train(job, gang, epoch):
                         break
+                except _GrowBack:
+                    assert events is not None
+                    gang.unwatch(events)
+                    await self._grow_back(job, gang)
+                    gang = events = None
+                    continue
                 except Exception as exc:
                     cause = self._recoverable(job, gang, exc)
                     if cause is None:
@@ -390,6 +399,43 @@ class JobRunner:
                 await self.controller.release(
                     gang.gang_id, why=f"was released by job {job.job_id} ({job.state.value})"
                 )
+
+    def _slices_to_take(self, job: Job) -> int:
+        """The slices to ask for: all of the spec's; for an elastic job that recovers,
+        only as many as are free now (but at least its minimum, which it then waits
+        for), so that it goes on without waiting for a lost slice to come back."""
+        spec = job.spec
+        if not spec.elastic_min_slices or job.state is not JobState.RECOVERING:
+            return spec.num_slices
+        free = len(self.controller.scheduler.free_slices(lookup_slice_type(spec.slice_type)))
+        take = max(spec.elastic_min_slices, min(spec.num_slices, free))
+        if take < spec.num_slices:
+            self._publish(
+                job,
+                message=f"elastic: {free} slice(s) free, continuing on {take} of "
+                f"{spec.num_slices} (same global batch); back to {spec.num_slices} at a "
+                "checkpoint once slices are free",
+            )
+        return take
+
+    def _can_grow(self, job: Job, gang: Gang) -> bool:
+        """Whether an elastic job on fewer slices than it asked for could have them all."""
+        missing = job.spec.num_slices - gang.shape.num_slices
+        stype = lookup_slice_type(job.spec.slice_type)
+        return missing > 0 and len(self.controller.scheduler.free_slices(stype)) >= missing
+
+    async def _grow_back(self, job: Job, gang: Gang) -> None:
+        """Lets go of the smaller gang (its last checkpoint committed) and queues for one
+        of the job's full size; `_run` then restores that checkpoint on it."""
+        self._move(
+            job,
+            JobState.QUEUED,
+            f"elastic: slices are free again; growing back from {gang.shape.num_slices} to "
+            f"{job.spec.num_slices} slices from checkpoint step {job.committed_step}",
+        )
+        await self.controller.release(
+            gang.gang_id, why=f"was released by job {job.job_id} to grow back to more slices"
+        )
 
     def _recoverable(self, job: Job, gang: Gang, exc: Exception) -> str | None:
         """What broke the job's gang under it, if the job recovers from that: a worker or
@@ -704,6 +750,7 @@ class JobRunner:
         saves = set(save_steps(job.step, spec.steps, spec.checkpoint_every)) - set(held)
         pending: deque[tuple[int, Any]] = deque()
         metrics_index = len(step_program.outputs) - 1
+        start_step = job.step
         for step in range(job.step, spec.steps):
             if job.cancel_requested:
                 break
@@ -715,6 +762,17 @@ class JobRunner:
             for fault in job.faults:
                 if fault.kind == "hang-collective" and not fault.fired_at and fault.at_step <= step:
                     chaos.hang(fault, c, gang)
+            if step in saves and step != start_step and self._can_grow(job, gang):
+                # The save of `step` is queued: once it commits, the job moves.
+                while pending:
+                    await self._record(job, *pending.popleft(), tokens, gang)
+                closed = c.close_checkpoints(gang.gang_id, directory, prefix)
+                error = await closed.done
+                if error:
+                    raise FailedPreconditionError(f"checkpoint {step} did not commit: {error}")
+                await self._check_commits(job)
+                if job.committed_step == step:
+                    raise _GrowBack
             batch = c.load_batch(
                 gang.gang_id, spec.program, overrides, step, batch_sharding, fields
             )
@@ -882,6 +940,10 @@ class JobRunner:
         if announce:
             log.info("job %s: checkpoint step %d committed", job.job_id, step)
             self._publish(job, message=f"checkpoint step {step} committed")
+
+
+class _GrowBack(Exception):
+    """An elastic job on fewer slices stops at a committed checkpoint to grow back."""
 
 
 def step_deadline(floor_s: float, slowest_step_s: float) -> float:

@@ -67,6 +67,8 @@ def job_to_pb(job: Job) -> pb.JobInfo:
     info.restarts = job.restarts
     info.failures = job.failures
     info.max_failures = job.spec.max_failures
+    info.elastic_min_slices = job.spec.elastic_min_slices
+    info.gang_slices = job.gang_slices
     info.keep_checkpoints = job.spec.keep_checkpoints
     info.keep_steps.extend(sorted(job.keep_steps))
     if job.resumed_from is not None:

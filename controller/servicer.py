@@ -432,6 +432,7 @@ class ControllerServicer(pb_grpc.ControllerServicer):
             max_failures=(
                 request.max_failures if request.HasField("max_failures") else DEFAULT_MAX_FAILURES
             ),
+            elastic_min_slices=request.elastic_min_slices,
         )
         return messages.job_to_pb(self.jobs.submit(spec))
 

@@ -13,6 +13,7 @@ import contextlib
 import json
 import logging
 import os
+import queue
 import signal
 import subprocess
 import sys
@@ -128,6 +129,19 @@ class SimCluster:
         node = self._hosts.pop((slice_name, worker_id))
         self._cluster.remove_node(node, allow_graceful=False)
 
+    def restore_host(self, slice_name: str, worker_id: int) -> None:
+        """Brings a removed host of a slice back (a new Ray node with its labels), as a
+        repaired or replaced TPU VM comes back."""
+        names = slice_names(self.slices)
+        if slice_name not in names:
+            raise ValueError(f"no slice {slice_name!r}; the slices are {names}")
+        if (slice_name, worker_id) in self._hosts:
+            raise ValueError(f"host {worker_id} of slice {slice_name} is up already")
+        stype = self.slices[names.index(slice_name)]
+        if not 0 <= worker_id < stype.hosts:
+            raise ValueError(f"slice {slice_name} has hosts 0..{stype.hosts - 1}")
+        self.add_host(slice_name, stype, worker_id)
+
     def shutdown(self) -> None:
         if self._cluster is None:
             return
@@ -183,7 +197,7 @@ def _sweep_session(grace_s: float = 3.0) -> None:
 
 
 def _supervise(spec: str, host_store_mb: int, head_store_mb: int) -> int:
-    """Runs in the supervisor process: start, report the address, wait, stop."""
+    """Runs in the supervisor process: start, report the address, serve commands, stop."""
     from slicewise.common.topology import parse_sim_spec
 
     os.setsid()
@@ -194,28 +208,39 @@ def _supervise(spec: str, host_store_mb: int, head_store_mb: int) -> int:
     try:
         cluster.start()
         print(json.dumps({"address": cluster.address, "pid": os.getpid()}), flush=True)
-        # Commands on stdin (one per line) let tests inject host failures; EOF means stop.
-        reader = threading.Thread(target=_read_commands, args=(cluster, stop), daemon=True)
+        # Commands on stdin (one per line) let tests take hosts away and bring them back;
+        # EOF means stop. They run on this thread: starting a Ray node needs the main one.
+        commands: queue.SimpleQueue[str] = queue.SimpleQueue()
+        reader = threading.Thread(target=_read_lines, args=(commands, stop), daemon=True)
         reader.start()
-        stop.wait()
+        while not stop.is_set():
+            with contextlib.suppress(queue.Empty):
+                print(json.dumps(_run_command(cluster, commands.get(timeout=0.2))), flush=True)
     finally:
         cluster.shutdown()
         _sweep_session()
     return 0
 
 
-def _read_commands(cluster: SimCluster, stop: threading.Event) -> None:
+def _read_lines(lines: queue.SimpleQueue[str], stop: threading.Event) -> None:
     for line in sys.stdin:
-        words = line.split()
-        try:
-            if words[:1] == ["remove-host"] and len(words) == 3:
-                cluster.remove_host(words[1], int(words[2]))
-                print(json.dumps({"removed": [words[1], int(words[2])]}), flush=True)
-            elif words:
-                print(json.dumps({"error": f"unknown command {line.strip()!r}"}), flush=True)
-        except Exception as exc:  # noqa: BLE001 - reported to the caller, keep serving
-            print(json.dumps({"error": f"{type(exc).__name__}: {exc}"}), flush=True)
+        if line.strip():
+            lines.put(line)
     stop.set()
+
+
+def _run_command(cluster: SimCluster, line: str) -> dict[str, Any]:
+    words = line.split()
+    try:
+        if words[:1] == ["remove-host"] and len(words) == 3:
+            cluster.remove_host(words[1], int(words[2]))
+            return {"removed": [words[1], int(words[2])]}
+        if words[:1] == ["add-host"] and len(words) == 3:
+            cluster.restore_host(words[1], int(words[2]))
+            return {"added": [words[1], int(words[2])]}
+        return {"error": f"unknown command {line.strip()!r}"}
+    except Exception as exc:  # noqa: BLE001 - reported to the caller, keep serving
+        return {"error": f"{type(exc).__name__}: {exc}"}
 
 
 class SimulationProcess:
@@ -275,6 +300,14 @@ class SimulationProcess:
     def remove_host(self, slice_name: str, worker_id: int, timeout_s: float = 60.0) -> None:
         """Kills one simulated host, as if the TPU VM went away."""
         self._stdin.write(f"remove-host {slice_name} {worker_id}\n")
+        self._stdin.flush()
+        reply = json.loads(self._readline(timeout_s))
+        if "error" in reply:
+            raise RuntimeError(reply["error"])
+
+    def add_host(self, slice_name: str, worker_id: int, timeout_s: float = 120.0) -> None:
+        """Brings a removed host back, as if its TPU VM was repaired."""
+        self._stdin.write(f"add-host {slice_name} {worker_id}\n")
         self._stdin.flush()
         reply = json.loads(self._readline(timeout_s))
         if "error" in reply:

@@ -128,6 +128,7 @@ class Client:
         keep_checkpoints: int | None = None,
         keep_steps: Sequence[int] = (),
         max_failures: int | None = None,
+        elastic_min_slices: int | None = None,
     ) -> pb.JobInfo:
         """Submits a training job of an installed program; returns at once (it queues).
         It runs on `slices` slices of `slice_type` allocated for it, or on `gang`, one
@@ -140,7 +141,10 @@ class Client:
         the newest `keep_checkpoints` committed steps (None: the controller's default,
         3; 0: all) and the steps in `keep_steps` (more: `keep_checkpoint`). When a
         worker or host of its gang is lost it recovers by itself (a new gang, the newest
-        committed step restored), up to `max_failures` times (None: 3)."""
+        committed step restored), up to `max_failures` times (None: 3). An elastic job
+        (`elastic_min_slices`) that loses a slice with no spare free continues on as few
+        as that many slices, with the same global batch, and grows back to `slices` at a
+        checkpoint once slices are free again."""
         request = pb.SubmitJobRequest(
             program=program,
             num_slices=slices,
@@ -158,6 +162,7 @@ class Client:
             keep_checkpoints=keep_checkpoints,
             keep_steps=list(keep_steps),
             max_failures=max_failures,
+            elastic_min_slices=elastic_min_slices,
         )
         if dcn or ici:
             request.mesh.CopyFrom(wire.mesh_to_pb(MeshSpec.build(dcn, ici)))

@@ -283,3 +283,50 @@ def test_a_job_can_recover_from_starting_or_running_but_not_once_ended():
         job.transition(JobState.RECOVERING)
         job.transition(JobState.STARTING)
         assert job.epoch == 2
+
+
+def test_an_elastic_jobs_data_axis_spans_the_slices_its_gang_has():
+    elastic = spec(num_slices=4, elastic_min_slices=2)
+    assert [(a.name, a.dcn, a.ici) for a in elastic.mesh_for(GangShape(2, 1, 4)).axes] == [
+        ("data", 2, 1),
+        ("fsdp", 1, 4),
+    ]
+    explicit = spec(num_slices=4, elastic_min_slices=1, mesh=(("data", 4, 2), ("tensor", 1, 2)))
+    assert [(a.name, a.dcn, a.ici) for a in explicit.mesh_for(GangShape(3, 1, 4)).axes] == [
+        ("data", 3, 2),
+        ("tensor", 1, 2),
+    ]
+
+
+@pytest.mark.parametrize(
+    ("kw", "words"),
+    [
+        ({"elastic_min_slices": 3}, "between 1 and the job's 2 slice"),
+        ({"elastic_min_slices": 1, "checkpoint_every": 0}, "needs checkpoints"),
+        ({"elastic_min_slices": 1, "gang_id": "g1"}, "a gang of its own"),
+        (
+            {"elastic_min_slices": 1, "mesh": (("data", 1, 2), ("fsdp", 2, 2))},
+            "axis 'fsdp' spans 2 slices",
+        ),
+    ],
+)
+def test_an_elastic_job_that_cannot_shrink_is_refused(kw, words):
+    with pytest.raises(InvalidRequestError, match=words):
+        spec(**kw)
+
+
+@pytest.mark.parametrize(
+    ("state", "free", "minimum", "take"),
+    [
+        (JobState.QUEUED, 1, 1, 4),  # a first start asks for all
+        (JobState.RECOVERING, 4, 1, 4),  # enough free: all
+        (JobState.RECOVERING, 3, 1, 3),  # one lost, no spare: the rest
+        (JobState.RECOVERING, 1, 2, 2),  # fewer free than its minimum: waits for that
+        (JobState.RECOVERING, 0, 0, 4),  # not elastic: all
+    ],
+)
+def test_an_elastic_job_recovers_on_the_slices_that_are_free(state, free, minimum, take):
+    scheduler = SimpleNamespace(free_slices=lambda stype: [f"s{i}" for i in range(free)])
+    runner = JobRunner(controller=SimpleNamespace(scheduler=scheduler), journal=Journal(":memory:"))
+    job = Job("j1", spec(num_slices=4, elastic_min_slices=minimum), state)
+    assert runner._slices_to_take(job) == take
