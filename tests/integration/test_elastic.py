@@ -78,10 +78,12 @@ def test_an_elastic_job_shrinks_to_one_slice_and_grows_back(elastic_client, clou
 
     # On one slice, past a checkpoint it saved there; then the host comes back.
     shrunk = wait_until(
-        lambda: (i := client.job(job.job_id)).gang_slices == 1
-        and i.step >= 3 * EVERY + 1
-        and i.committed_step >= 3 * EVERY
-        and i,
+        lambda: (
+            (i := client.job(job.job_id)).gang_slices == 1
+            and i.step >= 3 * EVERY + 1
+            and i.committed_step >= 3 * EVERY
+            and i
+        ),
         timeout_s=300,
         interval_s=0.05,
         what="the job to run on one slice",
