@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from controller.channel import ControllerEnd
+from controller.coordination import CoordinationService
 from controller.simcluster import SLICE_NAME_LABEL, WORKER_ID_LABEL
 from slicewise.common.mesh import GangShape
 from slicewise.common.ops import Op, OpResult
@@ -77,6 +78,10 @@ class Worker(Protocol):
 
     async def drop_pin(self, pin_id: str) -> None: ...
 
+    async def stash_state(self, name: str, handles: list[str]) -> int:
+        """Copies the worker's pieces of the arrays into a stash on its host (worker/stash.py)."""
+        ...
+
 
 class Channel(Protocol):
     """The controller's end of a worker's control channel (controller/channel.py):
@@ -91,6 +96,14 @@ class Channel(Protocol):
     async def receive(self) -> list[OpResult]: ...
 
     def close(self) -> None: ...
+
+
+class Coordination(Protocol):
+    """A gang's jax.distributed coordination service (controller/coordination.py)."""
+
+    address: str
+
+    def stop(self) -> None: ...
 
 
 class ClusterBackend(Protocol):
@@ -114,6 +127,15 @@ class ClusterBackend(Protocol):
 
     def kill(self, worker: Worker) -> None:
         """Stops a worker at once; safe to call for one that is already gone."""
+        ...
+
+    def drop_stash(self, name: str) -> None:
+        """Ends a stash actor (worker/stash.py), if it is still there."""
+        ...
+
+    def coordination_service(self, host: str, num_processes: int) -> Coordination:
+        """Starts a gang's jax.distributed coordination service here, on `host` (may block:
+        it is called in a thread)."""
         ...
 
     def remove(self, reservation: Reservation) -> None:
@@ -168,6 +190,9 @@ class _Actor:
 
     async def drop_pin(self, pin_id: str) -> None:
         await self.actor.drop_pin.remote(pin_id)
+
+    async def stash_state(self, name: str, handles: list[str]) -> int:
+        return await self.actor.stash_state.remote(name, handles)
 
 
 class RayBackend:
@@ -233,6 +258,15 @@ class RayBackend:
         assert isinstance(worker, _Actor)
         with contextlib.suppress(Exception):
             ray.kill(worker.actor, no_restart=True)
+
+    def coordination_service(self, host: str, num_processes: int) -> Coordination:
+        return CoordinationService(host, num_processes)
+
+    def drop_stash(self, name: str) -> None:
+        import ray
+
+        with contextlib.suppress(Exception):
+            ray.kill(ray.get_actor(name), no_restart=True)
 
     def remove(self, reservation: Reservation) -> None:
         from ray.util.placement_group import remove_placement_group

@@ -20,7 +20,15 @@ from typing import Any
 import numpy as np
 
 from controller import datalink, metrics
-from controller.backend import Channel, ClusterBackend, HostBundle, Reservation, Worker, WorkerSpec
+from controller.backend import (
+    Channel,
+    ClusterBackend,
+    Coordination,
+    HostBundle,
+    Reservation,
+    Worker,
+    WorkerSpec,
+)
 from controller.dispatch import Dispatcher, Ticket
 from controller.gangstate import TRANSITIONS, GangState
 from controller.health import WATCH_PERIOD_S, HostReport, diagnose
@@ -106,6 +114,7 @@ class Gang:
         self._stopping_to: GangState | None = None
         self._watchers: set[asyncio.Queue[tuple[str, str]]] = set()
         self._health: asyncio.Task[None] | None = None
+        self._coordination: Coordination | None = None
         self.dispatcher = self._new_dispatcher()
 
     # -- the life cycle -----------------------------------------------------------------
@@ -304,14 +313,20 @@ class Gang:
                     token,
                 )
                 self._workers.append(self._backend.start_worker(self._reservation, spec))
-        coordinator = await self._workers[0].free_address(head.address)
+        self._coordination = await asyncio.to_thread(
+            self._backend.coordination_service,
+            self._controller_address(),
+            self.shape.num_processes,
+        )
+        # Process 0 starts a service of its own (see coordination.py): a port nobody uses.
+        unused = await self._workers[0].free_address(head.address)
         infos = await asyncio.gather(
             *(
                 w.initialize(
-                    coordinator,
+                    self._coordination.address,
                     self.epoch,
                     partition_index=i // self.shape.hosts_per_slice,
-                    bind_address=coordinator if self.simulated else None,
+                    bind_address=unused,
                     timeout_s=120,
                 )
                 for i, w in enumerate(self._workers)
@@ -328,6 +343,14 @@ class Gang:
                 )
             )
         )
+
+    def _controller_address(self) -> str:
+        """Where this controller is reachable from the gang's hosts."""
+        if self.simulated:
+            return "127.0.0.1"
+        import ray
+
+        return str(ray.util.get_node_ip_address())
 
     # -- running --------------------------------------------------------------------
 
@@ -348,21 +371,28 @@ class Gang:
     async def _watch_health(self, epoch: int) -> None:
         """Fails the gang when a worker stops answering or a collective is stuck (see
         controller/health.py); ends when the gang stops or starts again."""
+        compiled_at = time.monotonic()  # when a host was last seen compiling
         while True:
             await asyncio.sleep(WATCH_PERIOD_S)
             if self.epoch != epoch or not self.state.usable:
                 return
             now = time.monotonic()
+            channels = list(self._channels)
+            if any(c.progress.get("compiling") for c in channels):
+                compiled_at = now
+            # Time spent waiting for a host that compiled is no stall: the others wait
+            # for it in the program's first collective, and it completes nothing meanwhile.
+            since_compile = now - compiled_at
             reports = [
                 HostReport(
                     self.describe_process(p),
                     now - channel.heard_at,
                     int(channel.progress.get("oldest_seq", 0)),
                     str(channel.progress.get("oldest_kind", "")),
-                    float(channel.progress.get("stalled_s", 0.0)),
+                    min(float(channel.progress.get("stalled_s", 0.0)), since_compile),
                     str(channel.progress.get("compiling", "")),
                 )
-                for p, channel in enumerate(list(self._channels))
+                for p, channel in enumerate(channels)
             ]
             reason = diagnose(
                 reports,
@@ -381,6 +411,13 @@ class Gang:
         if self.state.usable and self.transition(GangState.FAILED, why=reason, epoch=epoch):
             self.failed_at = time.time()
             self.publish("failed", reason)
+
+    async def stash_state(self, process_id: int, name: str, handles: list[str]) -> int:
+        """Has one worker copy its pieces of the arrays into a stash on its host."""
+        return await self._workers[process_id].stash_state(name, handles)
+
+    def drop_stash(self, name: str) -> None:
+        self._backend.drop_stash(name)
 
     def kill_worker(self, process_id: int) -> None:
         """Fault injection: SIGKILL for one worker's process (through Ray when the host is
@@ -505,6 +542,9 @@ class Gang:
             if self._reservation is not None:
                 with contextlib.suppress(Exception):
                     self._backend.remove(self._reservation)
+            if self._coordination is not None:
+                await asyncio.to_thread(self._coordination.stop)
+                self._coordination = None
             self._channels.clear()
             self._workers.clear()
             self._reservation = None

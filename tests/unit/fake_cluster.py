@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from types import SimpleNamespace
 from typing import Any
 
 from controller.backend import HostBundle, Reservation, Worker, WorkerSpec
@@ -86,6 +87,9 @@ class FakeWorker:
 
     async def drop_pin(self, pin_id: str) -> None:
         return None
+
+    async def stash_state(self, name: str, handles: list[str]) -> int:
+        return 0
 
 
 class FakeChannel:
@@ -207,6 +211,12 @@ class FakeCluster:
         assert isinstance(worker, FakeWorker)
         worker.killed = True
         self.calls.append(("kill", worker.spec.name))
+
+    def coordination_service(self, host: str, num_processes: int) -> Any:
+        return SimpleNamespace(address=f"{host}:8476", stop=lambda: None)
+
+    def drop_stash(self, name: str) -> None:
+        self.calls.append(("drop_stash", name))
 
     def remove(self, reservation: Reservation) -> None:
         assert isinstance(reservation, FakeReservation)
