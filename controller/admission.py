@@ -112,10 +112,11 @@ class GangManager:
         self.decide()
         return slices
 
-    async def check_hosts(self, gang: Gang) -> list[str]:
+    async def check_hosts(self, gang: Gang) -> list[tuple[str, int]]:
         """Asks the raylet of every host of a failed gang whether it is still there;
         marks the hosts that do not answer as lost (their slices are broken from now on,
-        not once Ray's health checks notice, seconds later) and names them."""
+        not once Ray's health checks notice, seconds later); returns them as (slice
+        name, host index)."""
         hosts = [(s, h) for s in gang.slices for h in s.hosts if h.alive]
         answers = await asyncio.gather(
             *(asyncio.to_thread(raylet_answers, h.address, h.port) for _, h in hosts)
@@ -124,7 +125,7 @@ class GangManager:
         if lost:
             self._lost_nodes.update(h.node_id for _, h in lost)
             await self.refresh_inventory()
-        return [f"host {h.worker_id} of slice {s.name}" for s, h in lost]
+        return [(s.name, h.worker_id) for s, h in lost]
 
     async def _refresh_forever(self) -> None:
         while True:

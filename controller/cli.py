@@ -140,6 +140,7 @@ def _train(args: argparse.Namespace) -> int:
                 keep_steps=args.keep_step,
                 max_failures=args.max_failures,
                 elastic_min_slices=args.elastic,
+                peer_recovery=args.peer_recovery,
             )
         except SlicewiseError as exc:
             print(f"slicewise train: {exc}", file=sys.stderr)
@@ -436,6 +437,12 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="N",
         help="gang failures (a worker or host lost) the job recovers from by itself, "
         "from its newest committed checkpoint, before it fails (default: 3)",
+    )
+    p.add_argument(
+        "--peer-recovery",
+        action="store_true",
+        help="recover a lost slice from a surviving slice's replica (data parallel over "
+        "slices): no step lost; keeps each in-flight step's input state on the devices",
     )
     p.add_argument(
         "--elastic",

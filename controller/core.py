@@ -49,6 +49,7 @@ from slicewise.common.ops import (
     ExecOp,
     HangOp,
     LoadOp,
+    PeerRestoreOp,
     PinOp,
     PutOp,
     RestoreOp,
@@ -530,12 +531,41 @@ class Controller:
                 ),
             ),
         )
+        ticket.done.add_done_callback(functools.partial(_settle_records, records))
+        return ticket, records
 
-        def settle(done: asyncio.Future[str | None]) -> None:
-            for r in records:
-                r.settle(done.result())
-
-        ticket.done.add_done_callback(settle)
+    def peer_restore(
+        self,
+        gang_id: str,
+        sources: Sequence[str],
+        specs: Sequence[ArraySpec],
+        shardings: Sequence[ShardingSpec],
+        stashes: Sequence[str],
+    ) -> tuple[Ticket, list[ArrayRecord]]:
+        """Queues the building of new arrays from the pieces of `sources` that a failed
+        gang's surviving workers stashed (see PeerRestoreOp); returns them, pending."""
+        gang, client = self.manager.resolve(gang_id)
+        records = [
+            self.arrays.new(gang.gang_id, spec, sharding)
+            for spec, sharding in zip(specs, shardings, strict=True)
+        ]
+        ticket = self._submit(
+            gang,
+            client,
+            _marking(
+                records,
+                lambda seq: PeerRestoreOp(
+                    seq,
+                    tuple(r.handle for r in records),
+                    tuple(sources),
+                    tuple(s.shape for s in specs),
+                    tuple(s.dtype for s in specs),
+                    tuple(shardings),
+                    tuple(stashes),
+                ),
+            ),
+        )
+        ticket.done.add_done_callback(functools.partial(_settle_records, records))
         return ticket, records
 
     def close_checkpoints(self, gang_id: str, directory: str, barrier_prefix: str = "") -> Ticket:
@@ -680,3 +710,9 @@ def _batch_ref(text: str) -> tuple[int, int]:
 def started_us(perf_counter_s: float) -> int:
     """Wall-clock microseconds of a past `time.perf_counter()` reading."""
     return trace_now_us() - int((time.perf_counter() - perf_counter_s) * 1e6)
+
+
+def _settle_records(records: Sequence[ArrayRecord], done: asyncio.Future[str | None]) -> None:
+    """Settles the arrays an operation creates when it completes (with its error)."""
+    for r in records:
+        r.settle(done.result())

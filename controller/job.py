@@ -104,6 +104,9 @@ class JobSpec:
     max_failures: int = DEFAULT_MAX_FAILURES
     # Elastic: the fewest slices it continues on after losing one (0: not elastic).
     elastic_min_slices: int = 0
+    # Recover a lost slice from a surviving slice's replica (no step lost), see
+    # worker/stash.py; keeps each step's input state until the step completes.
+    peer_recovery: bool = False
 
     def __post_init__(self) -> None:
         if self.checkpoint_every < 0:
@@ -135,6 +138,8 @@ class JobSpec:
             raise InvalidRequestError(f"a job needs at least 1 slice, asked for {self.num_slices}")
         if self.elastic_min_slices:
             self._check_elastic()
+        if self.peer_recovery:
+            self._check_replicated("peer recovery")
         for name, _, _ in self.mesh:
             if name not in (DATA_AXIS, FSDP_AXIS, TENSOR_AXIS):
                 raise InvalidRequestError(
@@ -154,11 +159,15 @@ class JobSpec:
                 "an elastic job needs checkpoints (checkpoint_every > 0), which it continues "
                 "from on fewer slices, and a gang of its own (no gang_id)"
             )
+        self._check_replicated("an elastic job")
+
+    def _check_replicated(self, what: str) -> None:
+        """Every slice must hold a whole replica: only the data axis may span slices."""
         for name, dcn, _ in self.mesh:
             if dcn > 1 and name != DATA_AXIS:
                 raise InvalidRequestError(
-                    f"an elastic job can only lose slices of its {DATA_AXIS!r} axis; mesh axis "
-                    f"{name!r} spans {dcn} slices"
+                    f"{what} needs a whole replica of the state on every slice, so only the "
+                    f"{DATA_AXIS!r} axis may span slices; mesh axis {name!r} spans {dcn}"
                 )
 
     def mesh_for(self, gang: GangShape) -> MeshSpec:
@@ -195,7 +204,18 @@ class JobSpec:
             "keep_steps": list(self.keep_steps),
             "max_failures": self.max_failures,
             "elastic_min_slices": self.elastic_min_slices,
+            "peer_recovery": self.peer_recovery,
         }
+
+
+@dataclass(frozen=True)
+class PeerSource:
+    """A surviving slice's replica of a job's state, stashed on its hosts when its gang
+    failed (worker/stash.py): the input state of `step`, as `handles` on the old gang."""
+
+    step: int
+    handles: tuple[str, ...]
+    stashes: tuple[str, ...]
 
 
 @dataclass
@@ -217,6 +237,7 @@ class Recovery:
     detected_at: float
     resumed_from: int | None = None
     resumed_at: float = 0.0
+    source: str = "checkpoint"  # or "peer": a surviving slice's replica
 
     @property
     def steps_lost(self) -> int:
@@ -276,6 +297,10 @@ class Job:
     slowest_step_s: float = 0.0
     compiled_at: int = -1  # the first step of the latest start: it compiled the program
     gang_slices: int = 0  # the slices of the gang it runs on now (fewer: elastic)
+    # Peer recovery: each unfinished step's input state (step -> handles), deleted when
+    # the step completes; and the replica a recovery stashed for the next gang.
+    live_states: dict[int, list[str]] = field(default_factory=dict)
+    peer: PeerSource | None = None
 
     def transition(self, new: JobState, *, epoch: int | None = None) -> None:
         """The one place a job's state changes. A change from an older epoch (a start that
@@ -323,6 +348,7 @@ def _spec_from_json(data: Mapping[str, Any]) -> JobSpec:
         tuple(data.get("keep_steps", ())),
         data.get("max_failures", DEFAULT_MAX_FAILURES),
         data.get("elastic_min_slices", 0),
+        data.get("peer_recovery", False),
     )
 
 

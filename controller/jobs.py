@@ -62,6 +62,7 @@ from controller.job import (
     Job,
     JobSpec,
     JobState,
+    PeerSource,
     Recovery,
     _spec_from_json,
     check_keep_step,
@@ -464,10 +465,13 @@ class JobRunner:
         preempted job does."""
         lost = await self.controller.manager.check_hosts(gang)
         if lost:
+            hosts = ", ".join(f"host {h} of slice {name}" for name, h in lost)
             cause = (
-                f"{', '.join(lost)} lost (its raylet does not answer: the host is down or "
+                f"{hosts} lost (its raylet does not answer: the host is down or "
                 f"unreachable); {cause}"
             )
+        if job.spec.peer_recovery and job.step in job.live_states:
+            job.peer = await self._stash_replica(job, gang, {name for name, _ in lost})
         job.failures += 1
         fault_at = max((f.fired_at for f in job.faults if f.fired_at), default=0.0)
         job.recoveries.append(
@@ -481,9 +485,11 @@ class JobRunner:
         job.faults = [f for f in job.faults if not f.fired_at]
         self._journal_recoveries(job, failures=job.failures)
         since = (
-            "nothing committed yet"
+            f"the surviving replica of step {job.peer.step}"
+            if job.peer is not None
+            else "nothing committed yet"
             if job.committed_step is None
-            else (f"newest committed step {job.committed_step}")
+            else f"newest committed step {job.committed_step}"
         )
         self._move(
             job,
@@ -545,6 +551,71 @@ class JobRunner:
         for fault in job.faults:
             if not fault.fired_at and fault.kind != "hang-collective" and fault.at_step <= job.step:
                 await chaos.fire(fault, self.controller, gang)
+
+    async def _stash_replica(self, job: Job, gang: Gang, lost: set[str]) -> PeerSource | None:
+        """Has the workers of one surviving slice copy the input state of the job's next
+        step into stashes on their hosts (worker/stash.py), before the failed gang goes;
+        None when no slice could (the job then restores its newest checkpoint)."""
+        handles = job.live_states[job.step]
+        per_slice = gang.shape.hosts_per_slice
+        for index, piece in enumerate(gang.slices):
+            if piece.name in lost:
+                continue
+            processes = range(index * per_slice, (index + 1) * per_slice)
+            names = [f"slicewise-stash-{job.job_id}-{gang.gang_id}-p{p}" for p in processes]
+            results = await asyncio.gather(
+                *(
+                    asyncio.wait_for(gang.stash_state(p, name, handles), STASH_TIMEOUT_S)
+                    for p, name in zip(processes, names, strict=True)
+                ),
+                return_exceptions=True,
+            )
+            failed = [r for r in results if isinstance(r, BaseException)]
+            if not failed:
+                log.info(
+                    "job %s: slice %s stashed its replica of step %d (%d bytes)",
+                    job.job_id,
+                    piece.name,
+                    job.step,
+                    sum(r for r in results if isinstance(r, int)),
+                )
+                return PeerSource(job.step, tuple(handles), tuple(names))
+            log.info(
+                "job %s: slice %s cannot give its replica: %s", job.job_id, piece.name, failed[0]
+            )
+            for name in names:
+                gang.drop_stash(name)
+        return None
+
+    async def _restore_from_peer(
+        self, job: Job, gang: Gang, specs: Sequence[ArraySpec], shardings: Sequence[ShardingSpec]
+    ) -> list[Any] | None:
+        """The state rebuilt on the new gang from the replica a recovery stashed; None
+        (after saying why) when that cannot be done: the job restores a checkpoint."""
+        peer, job.peer = job.peer, None
+        assert peer is not None
+        c = self.controller
+        try:
+            if peer.step != job.step:
+                return None
+            ticket, state = c.peer_restore(
+                gang.gang_id, peer.handles, specs, shardings, peer.stashes
+            )
+            error = await ticket.done
+            if error:
+                log.warning(
+                    "job %s: rebuilding step %d from the surviving replica failed (%s); "
+                    "restoring the newest checkpoint instead",
+                    job.job_id,
+                    peer.step,
+                    error,
+                )
+                c.delete([r.handle for r in state])
+                return None
+            return state
+        finally:
+            for name in peer.stashes:
+                gang.drop_stash(name)
 
     def _stopped_with_controller(self, job: Job) -> None:
         resume = (
@@ -696,44 +767,64 @@ class JobRunner:
         # recorded: steps after it ran on the old gang, but their metrics were lost with
         # it, so they run again.
         interrupted = bool(job.preemptions or job.restarts or job.failures)
-        start = resume_step(held, job.committed_step, spec.steps, job.step if interrupted else None)
-        if start is None:
-            key = np.asarray(jax.random.PRNGKey(program.seed(config)))
-            key_record = await c.put_array(gang.gang_id, key, ShardingSpec(mesh, ()))
-            _, state = c.execute(gang.gang_id, init.program_id, [key_record.handle])
-            c.delete([key_record.handle])
-            begun = "initialised"
-            if job.step:  # interrupted before anything committed: from the start again
-                begun = f"started again from step 0 after {_why_resumed(job)} (nothing committed)"
-                job.step, job.resumed_from = 0, 0
-                job.recent.clear()
-                self.journal.update_job(job.job_id, time.time(), step=0)
-        else:
-            shardings = [ShardingSpec.from_partition_spec(mesh, p) for p in state_specs]
-            restored, state = c.restore_checkpoint(
-                gang.gang_id,
-                directory,
-                start,
-                init.outputs,
-                shardings,
-                expect=(*position.items(), ("step", start)),
-                barrier_prefix=prefix,
+        state = None
+        shardings = [ShardingSpec.from_partition_spec(mesh, p) for p in state_specs]
+        if job.peer is not None:
+            state = await self._restore_from_peer(job, gang, init.outputs, shardings)
+        start: int | None = None  # the checkpoint step restored, if one is
+        if state is not None:
+            job.resumed_from = job.step
+            self.journal.update_job(job.job_id, time.time(), resumed_from_step=job.step)
+            job.recoveries[-1].source = "peer"
+            begun = (
+                f"resumed at step {job.step} after {_why_resumed(job)} from a surviving "
+                "slice's replica (no step lost)"
             )
-            error = await restored.done
-            if error:
-                raise FailedPreconditionError(f"restoring checkpoint step {start} failed: {error}")
-            job.step = start
-            # Steps after `start` run again; their records are replaced as they do.
-            job.recent = deque((r for r in job.recent if r.step < start), maxlen=200)
-            self.journal.update_job(job.job_id, time.time(), step=start)
-            newest = max(s for s in held if s <= spec.steps)
-            self._committed(job, newest, announce=False)  # the RUNNING message says it
-            begun = f"restored step {start} from {directory}"
-            if interrupted:
-                job.resumed_from = start
-                self.journal.update_job(job.job_id, time.time(), resumed_from_step=start)
-                begun = f"resumed from step {start} after {_why_resumed(job)} ({directory})"
+        else:
+            start = resume_step(
+                held, job.committed_step, spec.steps, job.step if interrupted else None
+            )
+            if start is None:
+                key = np.asarray(jax.random.PRNGKey(program.seed(config)))
+                key_record = await c.put_array(gang.gang_id, key, ShardingSpec(mesh, ()))
+                _, state = c.execute(gang.gang_id, init.program_id, [key_record.handle])
+                c.delete([key_record.handle])
+                begun = "initialised"
+                if job.step:  # interrupted before anything committed: from the start again
+                    begun = (
+                        f"started again from step 0 after {_why_resumed(job)} (nothing committed)"
+                    )
+                    job.step, job.resumed_from = 0, 0
+                    job.recent.clear()
+                    self.journal.update_job(job.job_id, time.time(), step=0)
+            else:
+                restored, state = c.restore_checkpoint(
+                    gang.gang_id,
+                    directory,
+                    start,
+                    init.outputs,
+                    shardings,
+                    expect=(*position.items(), ("step", start)),
+                    barrier_prefix=prefix,
+                )
+                error = await restored.done
+                if error:
+                    raise FailedPreconditionError(
+                        f"restoring checkpoint step {start} failed: {error}"
+                    )
+                job.step = start
+                # Steps after `start` run again; their records are replaced as they do.
+                job.recent = deque((r for r in job.recent if r.step < start), maxlen=200)
+                self.journal.update_job(job.job_id, time.time(), step=start)
+                newest = max(s for s in held if s <= spec.steps)
+                self._committed(job, newest, announce=False)  # the RUNNING message says it
+                begun = f"restored step {start} from {directory}"
+                if interrupted:
+                    job.resumed_from = start
+                    self.journal.update_job(job.job_id, time.time(), resumed_from_step=start)
+                    begun = f"resumed from step {start} after {_why_resumed(job)} ({directory})"
         state_handles = [r.handle for r in state]
+        job.live_states = {job.step: state_handles} if spec.peer_recovery else {}
         tokens = program.tokens_per_step(config)
         if job.recoveries and job.recoveries[-1].resumed_from is None:
             job.recoveries[-1].resumed_from = job.step
@@ -782,8 +873,12 @@ class JobRunner:
                 [*state_handles, *batch],
                 report=[metrics_index],
             )
-            c.delete([*state_handles, *batch, outs[n_state].handle])
+            # A peer-recovering job keeps a step's input until the step is done (_record).
+            keep = spec.peer_recovery
+            c.delete([*batch, outs[n_state].handle, *([] if keep else state_handles)])
             state_handles = [r.handle for r in outs[:n_state]]
+            if keep:
+                job.live_states[step + 1] = state_handles
             if step + 1 in saves:
                 self._save(job, gang, state_handles, step + 1, position, prefix)
             pending.append((step, ticket))
@@ -798,6 +893,7 @@ class JobRunner:
                 raise FailedPreconditionError(f"the last checkpoint did not commit: {error}")
             await self._check_commits(job)
         c.delete(state_handles)
+        job.live_states.clear()
         return True
 
     async def _save_before_yield(
@@ -911,6 +1007,8 @@ class JobRunner:
         metrics.STEP_SECONDS.observe(measured.step_time_s)
         self._publish(job, [measured])
         await self._check_commits(job)
+        if gang is not None and step in job.live_states:
+            self.controller.delete(job.live_states.pop(step))
         if gang is not None and job.faults:
             await self._fire_due(job, gang)
 
@@ -940,6 +1038,10 @@ class JobRunner:
         if announce:
             log.info("job %s: checkpoint step %d committed", job.job_id, step)
             self._publish(job, message=f"checkpoint step {step} committed")
+
+
+# How long a surviving worker may take to stash its replica of the state.
+STASH_TIMEOUT_S = 60.0
 
 
 class _GrowBack(Exception):

@@ -69,6 +69,7 @@ def job_to_pb(job: Job) -> pb.JobInfo:
     info.max_failures = job.spec.max_failures
     info.elastic_min_slices = job.spec.elastic_min_slices
     info.gang_slices = job.gang_slices
+    info.peer_recovery = job.spec.peer_recovery
     info.keep_checkpoints = job.spec.keep_checkpoints
     info.keep_steps.extend(sorted(job.keep_steps))
     if job.resumed_from is not None:
@@ -81,6 +82,7 @@ def job_to_pb(job: Job) -> pb.JobInfo:
             detected_at=r.detected_at,
             resumed_at=r.resumed_at,
             steps_lost=r.steps_lost,
+            source=r.source,
         )
         if r.resumed_from is not None:
             recovery.resumed_from_step = r.resumed_from

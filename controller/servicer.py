@@ -433,6 +433,7 @@ class ControllerServicer(pb_grpc.ControllerServicer):
                 request.max_failures if request.HasField("max_failures") else DEFAULT_MAX_FAILURES
             ),
             elastic_min_slices=request.elastic_min_slices,
+            peer_recovery=request.peer_recovery,
         )
         return messages.job_to_pb(self.jobs.submit(spec))
 

@@ -129,6 +129,7 @@ class Client:
         keep_steps: Sequence[int] = (),
         max_failures: int | None = None,
         elastic_min_slices: int | None = None,
+        peer_recovery: bool = False,
     ) -> pb.JobInfo:
         """Submits a training job of an installed program; returns at once (it queues).
         It runs on `slices` slices of `slice_type` allocated for it, or on `gang`, one
@@ -144,7 +145,10 @@ class Client:
         committed step restored), up to `max_failures` times (None: 3). An elastic job
         (`elastic_min_slices`) that loses a slice with no spare free continues on as few
         as that many slices, with the same global batch, and grows back to `slices` at a
-        checkpoint once slices are free again."""
+        checkpoint once slices are free again. With `peer_recovery` a lost slice is
+        recovered from a surviving slice's replica (data parallelism over slices), from
+        the very step reached, at the cost of device memory for the in-flight steps'
+        input states."""
         request = pb.SubmitJobRequest(
             program=program,
             num_slices=slices,
@@ -163,6 +167,7 @@ class Client:
             keep_steps=list(keep_steps),
             max_failures=max_failures,
             elastic_min_slices=elastic_min_slices,
+            peer_recovery=peer_recovery,
         )
         if dcn or ici:
             request.mesh.CopyFrom(wire.mesh_to_pb(MeshSpec.build(dcn, ici)))

@@ -176,6 +176,20 @@ class HostWorker:
     def drop_pin(self, pin_id: str) -> None:
         self.runtime.drop_pin(pin_id)
 
+    def stash_state(self, name: str, handles: list[str]) -> int:
+        """Copies this host's pieces of the arrays into a new stash actor `name` on this
+        host (worker/stash.py), out of band: the executor may be stuck in a collective
+        with a lost peer. Returns the bytes stashed."""
+        import ray
+
+        from worker.stash import StateStash, stash_options
+
+        pieces = self.runtime.pieces_of(handles)
+        node = ray.get_runtime_context().get_node_id()
+        stash: Any = ray.remote(StateStash).options(name=name, **stash_options(node)).remote()
+        stashed: int = ray.get(stash.put.remote(pieces))
+        return stashed
+
     def bench_loop(self, program_id: str, handles: list[str], n: int, window: int) -> float:
         """The multi-controller baseline of `benchmarks/` (see JaxRuntime.run_loop)."""
         return self.runtime.run_loop(program_id, handles, n, window)

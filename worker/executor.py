@@ -225,6 +225,12 @@ class InOrderExecutor:
                     self._on_idle()
                 self._retire_oldest()
             if ready is not None:
+                # Programs already done are reported before the next launch, which may
+                # block for long (or for ever, on a host stuck in a collective).
+                if self._in_flight and self._in_flight[0].done.is_set():
+                    while self._in_flight and self._in_flight[0].done.is_set():
+                        self._retire_oldest()
+                    self._on_idle()
                 self._launch(*ready)
 
     def _launch(self, op: Op, fut: Future[OpResult]) -> None:

@@ -28,12 +28,14 @@ from slicewise.common.ops import (
     HangOp,
     LoadOp,
     Op,
+    PeerRestoreOp,
     PinOp,
     PutOp,
     RestoreOp,
     SaveOp,
 )
 from worker.buffers import BufferTable
+from worker.stash import PieceKey
 
 if TYPE_CHECKING:
     from worker.checkpoint import QueuedCheckpointer
@@ -168,6 +170,8 @@ class JaxRuntime:
             self._restore(op)
         elif isinstance(op, CloseCheckpointsOp):
             self._close_checkpointer(op)
+        elif isinstance(op, PeerRestoreOp):
+            self._peer_restore(op)
         elif isinstance(op, HangOp):
             log.warning("fault injection: this host's executor stops for %g s", op.seconds)
             time.sleep(op.seconds)
@@ -309,6 +313,57 @@ class JaxRuntime:
             )
         for handle, array in zip(op.handles, state, strict=True):
             self.buffers.put(handle, array)
+
+    def pieces_of(self, handles: list[str]) -> list[tuple[PieceKey, np.ndarray]]:
+        """Every distinct piece this host holds of each array, in host memory."""
+        out: list[tuple[PieceKey, np.ndarray]] = []
+        for handle in handles:
+            array = self.buffers.get(handle)
+            seen = set()
+            for shard in array.addressable_shards:
+                key = index_key(shard.index, array.shape)
+                if key not in seen:
+                    seen.add(key)
+                    out.append(((handle, key), np.asarray(shard.data)))
+        return out
+
+    def _peer_restore(self, op: PeerRestoreOp) -> None:
+        import jax
+        import ray
+
+        stashes = [ray.get_actor(name) for name in op.stashes]
+        held: list[list[PieceKey]] = ray.get([s.keys.remote() for s in stashes])
+        where = {key: stash for stash, keys in zip(stashes, held, strict=True) for key in keys}
+        for handle, source, shape, dtype, spec in zip(
+            op.handles, op.sources, op.shapes, op.dtypes, op.shardings, strict=True
+        ):
+            sharding = self.named_sharding(spec)
+            wanted = {
+                device: (source, index_key(index, shape))
+                for device, index in sharding.addressable_devices_indices_map(shape).items()
+            }
+            missing = sorted({k for k in wanted.values() if k not in where}, key=str)
+            if missing:
+                raise RuntimeError(
+                    f"no surviving stash holds piece {missing[0][1]} of the state array "
+                    f"{source}; the job continues from its checkpoint instead"
+                )
+            keys = sorted(set(wanted.values()), key=str)
+            by_stash: dict[Any, list[PieceKey]] = {}
+            for key in keys:
+                by_stash.setdefault(where[key], []).append(key)
+            pieces: dict[PieceKey, np.ndarray] = {}
+            for stash, asked in by_stash.items():
+                pieces.update(zip(asked, ray.get(stash.get.remote(asked)), strict=True))
+            arrays = []
+            for device, key in wanted.items():
+                piece = pieces[key]
+                if piece.dtype != dtype_of(dtype):
+                    raise RuntimeError(f"piece of {source} is {piece.dtype}, expected {dtype}")
+                arrays.append(jax.device_put(piece, device))
+            self.buffers.put(
+                handle, jax.make_array_from_single_device_arrays(shape, sharding, arrays)
+            )
 
     def _close_checkpointer(self, op: CloseCheckpointsOp) -> None:
         checkpointer = self._checkpointers.pop((op.directory, op.barrier_prefix), None)

@@ -130,6 +130,22 @@ class CloseCheckpointsOp:
 
 
 @dataclass(frozen=True)
+class PeerRestoreOp:
+    """Build new arrays from pieces of a failed gang's surviving workers, held in their
+    hosts' stashes (worker/stash.py): array i of `handles` from the pieces of
+    `sources[i]` (its handle on the old gang), with that shape, dtype and sharding. Each
+    worker reads only the pieces its own devices need, from whichever stash has them."""
+
+    seq: int
+    handles: tuple[str, ...]
+    sources: tuple[str, ...]
+    shapes: tuple[tuple[int, ...], ...]
+    dtypes: tuple[str, ...]
+    shardings: tuple[ShardingSpec, ...]
+    stashes: tuple[str, ...]  # Ray actor names
+
+
+@dataclass(frozen=True)
 class HangOp:
     """Fault injection (`slicewise chaos hang-collective`): the worker's executor stops
     here for `seconds`, as a host stuck in a collective would. Sent to one worker, with
@@ -150,6 +166,7 @@ Op = (
     | SaveOp
     | RestoreOp
     | CloseCheckpointsOp
+    | PeerRestoreOp
     | HangOp
 )
 

@@ -13,8 +13,10 @@ seconds (the job's steps take milliseconds here; the default is 20 s).
 
 from __future__ import annotations
 
+import collections
 import os
 import random
+import threading
 
 import pytest
 
@@ -103,6 +105,43 @@ def test_a_job_recovers_by_itself_from_a_fault_with_the_same_losses(
     # Every step once, each with the uninterrupted run's loss, bit for bit.
     assert [s.step for s in steps] == list(range(STEPS))
     assert_losses_match(steps, uninterrupted[1], after=f"{kind} at step {at}")
+
+
+def step_log(client, job_id: str) -> tuple[threading.Thread, list[int]]:
+    """The job's own record of the steps it completed, as it publishes them: every step
+    each time it completes (the raw WatchJob stream, which a client's watch_job would
+    dedup). Join the thread once the job has ended."""
+    steps: list[int] = []
+    stream = client.stub.WatchJob(pb.WatchJobRequest(job_id=job_id), timeout=600)
+    reader = threading.Thread(
+        target=lambda: steps.extend(s.step for e in stream for s in e.steps), daemon=True
+    )
+    reader.start()
+    return reader, steps
+
+
+@pytest.mark.timeout(900)
+def test_a_slice_lost_with_a_replica_elsewhere_loses_no_step(chaos_client, uninterrupted):
+    client = chaos_client
+    seed = int.from_bytes(os.urandom(4), "little")
+    rng = random.Random(seed)
+    at, victim = rng.randint(EVERY + 1, STEPS - 5), rng.randrange(2)
+    print(f"seed {seed}: kill-worker of process {victim} once step {at} is done")
+    job = submit_lm(client, STEPS, checkpoint_every=EVERY, peer_recovery=True)
+    reader, log = step_log(client, job.job_id)
+    client.inject_fault(job.job_id, "kill-worker", at_step=at, process=victim)
+
+    done, steps = finished(client, job.job_id)
+    reader.join(timeout=60)
+    assert done.state == pb.JOB_STATE_SUCCEEDED and done.peer_recovery
+    (recovery,) = done.recoveries
+    assert recovery.source == "peer", recovery
+    assert recovery.resumed_from_step == recovery.failed_at_step >= at, recovery
+    assert recovery.steps_lost == 0
+    # By the job's own step log: every step completed exactly once, none computed twice.
+    twice = sorted(s for s, n in collections.Counter(log).items() if n > 1)
+    assert not twice and sorted(log) == list(range(STEPS)), (twice, log)
+    assert_losses_match(steps, uninterrupted[1], after=f"a peer recovery at step {at}")
 
 
 def test_fault_injection_says_what_is_wrong_with_a_request(chaos_client):

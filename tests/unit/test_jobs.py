@@ -306,7 +306,7 @@ def test_an_elastic_jobs_data_axis_spans_the_slices_its_gang_has():
         ({"elastic_min_slices": 1, "gang_id": "g1"}, "a gang of its own"),
         (
             {"elastic_min_slices": 1, "mesh": (("data", 1, 2), ("fsdp", 2, 2))},
-            "axis 'fsdp' spans 2 slices",
+            "mesh axis 'fsdp' spans 2",
         ),
     ],
 )
