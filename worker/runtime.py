@@ -4,6 +4,7 @@ meshes, and applies the controller's operations to the buffer table."""
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from dataclasses import dataclass
@@ -34,6 +35,7 @@ from slicewise.common.ops import (
     RestoreOp,
     SaveOp,
 )
+from worker import executables
 from worker.buffers import BufferTable
 from worker.stash import PieceKey
 
@@ -52,6 +54,7 @@ class _Program:
     in_shardings: tuple[Any, ...]
     num_outputs: int
     called: bool = False  # the first call compiles
+    compiled: Any = None  # its executable, when compiled ahead (worker/executables.py)
 
 
 class _Outputs:
@@ -431,6 +434,15 @@ class JaxRuntime:
         else:
             self.compiling = program.name
             try:
+                cache = os.environ.get(executables.ENV_VAR)
+                if cache:
+                    tree_args, tree_kwargs = jax.tree.unflatten(program.exported.in_tree, args)
+                    path = executables.executable_path(
+                        cache, op.program_id, self.gang.num_processes, self.process_id
+                    )
+                    program.compiled = executables.compile_cached(
+                        program.call, tree_args, tree_kwargs, program.mesh, path
+                    )
                 outputs = self._call(program, args)
             finally:
                 self.compiling = ""
@@ -450,6 +462,8 @@ class JaxRuntime:
 
         # The artifact was traced with pytree arguments; rebuild them from the flat list.
         tree_args, tree_kwargs = jax.tree.unflatten(program.exported.in_tree, args)
+        if program.compiled is not None:
+            return jax.tree.leaves(program.compiled(*tree_args, **tree_kwargs))
         # The mesh context gives the devices to programs that take no array arguments.
         with jax.set_mesh(program.mesh):
             return jax.tree.leaves(program.call(*tree_args, **tree_kwargs))
