@@ -14,6 +14,7 @@ from typing import Any
 
 import numpy as np
 
+from programs.lm.config import SMALL_OVERRIDES
 from protos import controller_pb2 as pb
 from slicewise.launch import controller_process
 
@@ -105,16 +106,7 @@ def run_demo(sim: str) -> int:
 
 
 # A small LM, so that the story takes seconds: 60 steps, a checkpoint every 10.
-STORY_CONFIG = {
-    "d_model": "64",
-    "n_layers": "2",
-    "n_heads": "4",
-    "d_ff": "128",
-    "seq_len": "32",
-    "batch_size": "8",
-    "warmup_steps": "5",
-    "total_steps": "60",
-}
+STORY_CONFIG = SMALL_OVERRIDES | {"total_steps": "60"}
 STORY_STEPS, STORY_EVERY = 60, 10
 
 

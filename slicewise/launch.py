@@ -14,6 +14,7 @@ import sys
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import IO
 
 
@@ -101,6 +102,52 @@ def controller_process(**kwargs: object) -> Iterator[ControllerProcess]:
         yield controller
     finally:
         controller.stop()
+
+
+class RestartableController:
+    """A controller on `sim` that can be killed or stopped and started again on the same
+    state directory and port (`directory/state`, logs in `directory/controller-N.log`);
+    at `close` every process it started is gone, also those of a controller killed
+    outright (each start runs in a session of its own)."""
+
+    def __init__(self, directory: Path, *, sim: str, extra_args: tuple[str, ...] = ()) -> None:
+        self.directory = directory
+        directory.mkdir(parents=True, exist_ok=True)
+        self.sim = sim
+        self.extra_args = extra_args
+        self.state = directory / "state"
+        self.port = 0
+        self.starts = 0
+        self.proc: ControllerProcess | None = None
+        self.sessions: list[int] = []
+
+    def log_path(self, start: int) -> Path:
+        return self.directory / f"controller-{start}.log"
+
+    def start(self) -> ControllerProcess:
+        self.starts += 1
+        with open(self.log_path(self.starts), "w") as log:
+            self.proc = ControllerProcess(
+                sim=self.sim,
+                stderr=log,
+                extra_args=(
+                    *self.extra_args,
+                    "--state-dir",
+                    str(self.state),
+                    "--port",
+                    str(self.port),
+                ),
+            )
+        self.sessions.append(self.proc.pid)
+        self.port = int(self.proc.address.rsplit(":", 1)[1])
+        return self.proc
+
+    def close(self) -> None:
+        if self.proc is not None:
+            self.proc.stop()
+        for session in self.sessions:  # whatever a killed controller left behind
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(session, signal.SIGKILL)
 
 
 def _wait_for_listening(proc: subprocess.Popen, timeout_s: float) -> list[str]:

@@ -7,6 +7,18 @@ from dataclasses import dataclass
 from programs.base import ConfigError
 from programs.corpus import STDLIB
 
+# A small model (64 wide, 2 layers, 8 rows of 32 tokens) that trains at about 0.1 s a step
+# on the simulation: the `--set` overrides of the tests, the demo and the benchmarks.
+SMALL_OVERRIDES = {
+    "d_model": "64",
+    "n_layers": "2",
+    "n_heads": "4",
+    "d_ff": "128",
+    "seq_len": "32",
+    "batch_size": "8",
+    "warmup_steps": "5",
+}
+
 
 @dataclass(frozen=True)
 class LMConfig:

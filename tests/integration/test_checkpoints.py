@@ -11,6 +11,7 @@ import threading
 import pytest
 
 from controller.jobview import TERMINAL
+from programs.lm.config import SMALL_OVERRIDES
 from protos import controller_pb2 as pb
 from slicewise.common.checkpoints import COMMIT_FILE, committed_steps
 from slicewise.testing import wait_until
@@ -19,17 +20,7 @@ pytestmark = pytest.mark.integration
 
 # The same config for every job here: the schedule (total_steps) shapes the learning
 # rate of every step, so an uninterrupted run and a resumed one must share it.
-CONFIG = {
-    "d_model": "64",
-    "n_layers": "2",
-    "n_heads": "4",
-    "d_ff": "128",
-    "seq_len": "32",
-    "batch_size": "8",
-    "warmup_steps": "5",
-    "total_steps": "40",
-    "seed": "3",
-}
+CONFIG = SMALL_OVERRIDES | {"total_steps": "40", "seed": "3"}
 FIRST, RESUMED = 25, 35
 EVERY = 10
 

@@ -6,7 +6,6 @@ re-attaches by itself and follows the job to its end; ids go on counting."""
 
 from __future__ import annotations
 
-import contextlib
 import os
 import random
 import signal
@@ -20,7 +19,7 @@ import pytest
 import slicewise
 from protos import controller_pb2 as pb
 from slicewise.common.checkpoints import committed_steps
-from slicewise.launch import ControllerProcess
+from slicewise.launch import ControllerProcess, RestartableController
 from slicewise.testing import wait_until
 from tests.integration.conftest import _LOG_OF, _LOGS
 from tests.integration.test_checkpoints import finished, run_job, submit_lm
@@ -38,42 +37,21 @@ def uninterrupted(client):
     return run_job(client, STEPS, checkpoint_every=0)
 
 
-class Restartable:
-    """A controller that can be killed or stopped and started again on the same state
-    directory and port; every process it started is gone at `close`, also on failure."""
+class Restartable(RestartableController):
+    """The test's controller: its logs are shown when a test fails."""
 
     def __init__(self, directory: Path) -> None:
-        self.directory = directory
-        self.state = directory / "state"
-        self.port = 0
-        self.starts = 0
-        self.proc: ControllerProcess | None = None
-        self.sessions: list[int] = []
+        super().__init__(directory, sim=SIM)
 
     def start(self) -> ControllerProcess:
-        self.starts += 1
-        path = self.directory / f"controller-{self.starts}.log"
+        proc = super().start()
+        path = self.log_path(self.starts)
         _LOGS.append(path)
-        with open(path, "w") as log:
-            self.proc = ControllerProcess(
-                sim=SIM,
-                stderr=log,
-                extra_args=("--state-dir", str(self.state), "--port", str(self.port)),
-            )
-        _LOG_OF[self.proc.pid] = path
-        self.sessions.append(self.proc.pid)
-        self.port = int(self.proc.address.rsplit(":", 1)[1])
-        return self.proc
+        _LOG_OF[proc.pid] = path
+        return proc
 
     def log(self, start: int) -> str:
-        return (self.directory / f"controller-{start}.log").read_text(errors="replace")
-
-    def close(self) -> None:
-        if self.proc is not None:
-            self.proc.stop()
-        for session in self.sessions:  # whatever a killed controller left behind
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(session, signal.SIGKILL)
+        return self.log_path(start).read_text(errors="replace")
 
 
 @pytest.fixture

@@ -14,21 +14,13 @@ import pytest
 
 from controller.jobview import TERMINAL
 from programs.base import get_program, reference_train
+from programs.lm.config import SMALL_OVERRIDES
 from protos import controller_pb2 as pb
 from slicewise.testing import wait_until
 
 pytestmark = pytest.mark.integration
 
-SMALL = {
-    "d_model": "64",
-    "n_layers": "2",
-    "n_heads": "4",
-    "d_ff": "128",
-    "seq_len": "32",
-    "batch_size": "8",
-    "warmup_steps": "5",
-    "total_steps": "20",
-}
+SMALL = SMALL_OVERRIDES | {"total_steps": "20"}
 
 
 def wait_for(client, job_id, timeout=240.0):
