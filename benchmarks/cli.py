@@ -16,6 +16,7 @@ BENCHMARKS = {
     "scheduler": "benchmarks.scheduler",
     "train_overhead": "benchmarks.train_overhead",
     "checkpoint": "benchmarks.checkpoint",
+    "recovery": "benchmarks.recovery",
 }
 
 

@@ -105,15 +105,23 @@ def controller_process(**kwargs: object) -> Iterator[ControllerProcess]:
 
 
 class RestartableController:
-    """A controller on `sim` that can be killed or stopped and started again on the same
-    state directory and port (`directory/state`, logs in `directory/controller-N.log`);
+    """A controller on `sim` (or joined to the Ray cluster at `ray_address`) that can be
+    killed or stopped and started again on the same state directory and port (`directory/state`, logs in `directory/controller-N.log`);
     at `close` every process it started is gone, also those of a controller killed
     outright (each start runs in a session of its own)."""
 
-    def __init__(self, directory: Path, *, sim: str, extra_args: tuple[str, ...] = ()) -> None:
+    def __init__(
+        self,
+        directory: Path,
+        *,
+        sim: str | None = None,
+        ray_address: str | None = None,
+        extra_args: tuple[str, ...] = (),
+    ) -> None:
         self.directory = directory
         directory.mkdir(parents=True, exist_ok=True)
         self.sim = sim
+        self.ray_address = ray_address
         self.extra_args = extra_args
         self.state = directory / "state"
         self.port = 0
@@ -129,6 +137,7 @@ class RestartableController:
         with open(self.log_path(self.starts), "w") as log:
             self.proc = ControllerProcess(
                 sim=self.sim,
+                ray_address=self.ray_address,
                 stderr=log,
                 extra_args=(
                     *self.extra_args,
