@@ -117,8 +117,10 @@ def check_against_unsharded(layout: Layout, strategy: str, cfg: MoELayerConfig, 
     return ref_stats
 
 
-@pytest.mark.parametrize("capacity_factor", [1.0, 1.25, None])
-@pytest.mark.parametrize("k", [1, 2])
+# Each case compiles two programs; the unsharded layer's own grid (test_moe_layer.py)
+# covers every k and capacity factor, so this one keeps the cases that differ in what
+# crosses devices: drops with k = 1 and 2, a partly used capacity, and dropless.
+@pytest.mark.parametrize("k,capacity_factor", [(1, 1.0), (2, 1.0), (2, 1.25), (1, None)])
 @pytest.mark.parametrize("strategy", ["flat", "hierarchical"])
 def test_experts_over_two_slices_of_four_chips_equal_the_unsharded_layer(
     strategy, k, capacity_factor
