@@ -141,6 +141,7 @@ def _train(args: argparse.Namespace) -> int:
                 max_failures=args.max_failures,
                 elastic_min_slices=args.elastic,
                 peer_recovery=args.peer_recovery,
+                max_preemptions=args.max_preemptions,
             )
         except SlicewiseError as exc:
             print(f"slicewise train: {exc}", file=sys.stderr)
@@ -437,6 +438,13 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="N",
         help="gang failures (a worker or host lost) the job recovers from by itself, "
         "from its newest committed checkpoint, before it fails (default: 3)",
+    )
+    p.add_argument(
+        "--max-preemptions",
+        type=int,
+        metavar="N",
+        help="preemptions the job yields to and resumes from before it fails, a budget "
+        "apart from --max-failures (default: no limit)",
     )
     p.add_argument(
         "--peer-recovery",

@@ -107,6 +107,8 @@ class JobSpec:
     # Recover a lost slice from a surviving slice's replica (no step lost), see
     # worker/stash.py; keeps each step's input state until the step completes.
     peer_recovery: bool = False
+    # Preemptions it yields to and resumes from before it fails (None: no limit).
+    max_preemptions: int | None = None
 
     def __post_init__(self) -> None:
         if self.checkpoint_every < 0:
@@ -121,6 +123,10 @@ class JobSpec:
                 f"checkpoint_dir {self.checkpoint_dir!r} is relative; give an absolute path "
                 "(the controller and the workers do not share your working directory) or a "
                 "bucket URL"
+            )
+        if self.max_preemptions is not None and self.max_preemptions < 0:
+            raise InvalidRequestError(
+                f"max_preemptions must be >= 0 (0: fail at the first), got {self.max_preemptions}"
             )
         if self.max_failures < 0:
             raise InvalidRequestError(
@@ -205,6 +211,7 @@ class JobSpec:
             "max_failures": self.max_failures,
             "elastic_min_slices": self.elastic_min_slices,
             "peer_recovery": self.peer_recovery,
+            "max_preemptions": self.max_preemptions,
         }
 
 
@@ -349,6 +356,7 @@ def _spec_from_json(data: Mapping[str, Any]) -> JobSpec:
         data.get("max_failures", DEFAULT_MAX_FAILURES),
         data.get("elastic_min_slices", 0),
         data.get("peer_recovery", False),
+        data.get("max_preemptions"),
     )
 
 

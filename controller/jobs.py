@@ -644,6 +644,7 @@ class JobRunner:
                 log.info("job %s: gang %s: %s", job.job_id, gang.gang_id, exc)
         job.preemptions += 1
         self.journal.update_job(job.job_id, time.time(), preemptions=job.preemptions)
+        check_preemption_budget(job, gang.preempted_by)
         resume = (
             "its newest committed step, if any"
             if job.committed_step is None
@@ -1042,6 +1043,19 @@ class JobRunner:
 
 # How long a surviving worker may take to stash its replica of the state.
 STASH_TIMEOUT_S = 60.0
+
+
+def check_preemption_budget(job: Job, by: str) -> None:
+    """Raises FailedPreconditionError once a job has been preempted more often than its
+    --max-preemptions allows (a budget apart from its failures'; unset: no limit)."""
+    budget = job.spec.max_preemptions
+    if budget is not None and job.preemptions > budget:
+        raise FailedPreconditionError(
+            f"preempted {job.preemptions} times (last by {by or 'a higher-priority request'}); "
+            f"its preemption budget is spent (--max-preemptions {budget}): submit it again at "
+            f"a higher priority, or with a larger budget, to go on from step "
+            f"{job.committed_step if job.committed_step is not None else 0}"
+        )
 
 
 class _GrowBack(Exception):

@@ -434,6 +434,9 @@ class ControllerServicer(pb_grpc.ControllerServicer):
             ),
             elastic_min_slices=request.elastic_min_slices,
             peer_recovery=request.peer_recovery,
+            max_preemptions=(
+                request.max_preemptions if request.HasField("max_preemptions") else None
+            ),
         )
         return messages.job_to_pb(self.jobs.submit(spec))
 

@@ -130,6 +130,7 @@ class Client:
         max_failures: int | None = None,
         elastic_min_slices: int | None = None,
         peer_recovery: bool = False,
+        max_preemptions: int | None = None,
     ) -> pb.JobInfo:
         """Submits a training job of an installed program; returns at once (it queues).
         It runs on `slices` slices of `slice_type` allocated for it, or on `gang`, one
@@ -142,7 +143,8 @@ class Client:
         the newest `keep_checkpoints` committed steps (None: the controller's default,
         3; 0: all) and the steps in `keep_steps` (more: `keep_checkpoint`). When a
         worker or host of its gang is lost it recovers by itself (a new gang, the newest
-        committed step restored), up to `max_failures` times (None: 3). An elastic job
+        committed step restored), up to `max_failures` times (None: 3); preempted, it
+        yields and resumes, up to `max_preemptions` times (None: no limit). An elastic job
         (`elastic_min_slices`) that loses a slice with no spare free continues on as few
         as that many slices, with the same global batch, and grows back to `slices` at a
         checkpoint once slices are free again. With `peer_recovery` a lost slice is
@@ -168,6 +170,7 @@ class Client:
             max_failures=max_failures,
             elastic_min_slices=elastic_min_slices,
             peer_recovery=peer_recovery,
+            max_preemptions=max_preemptions,
         )
         if dcn or ici:
             request.mesh.CopyFrom(wire.mesh_to_pb(MeshSpec.build(dcn, ici)))

@@ -10,7 +10,7 @@ from prometheus_client import REGISTRY
 
 from controller.gangstate import GangState
 from controller.job import Job, JobSpec, JobState
-from controller.jobs import JobRunner, step_record, step_seconds
+from controller.jobs import JobRunner, check_preemption_budget, step_record, step_seconds
 from controller.journal import Journal, StepRecord
 from slicewise.common.errors import (
     FailedPreconditionError,
@@ -330,3 +330,20 @@ def test_an_elastic_job_recovers_on_the_slices_that_are_free(state, free, minimu
     runner = JobRunner(controller=SimpleNamespace(scheduler=scheduler), journal=Journal(":memory:"))
     job = Job("j1", spec(num_slices=4, elastic_min_slices=minimum), state)
     assert runner._slices_to_take(job) == take
+
+
+def test_a_job_preempted_past_its_budget_fails_saying_so():
+    job = Job("j1", spec(max_preemptions=2), JobState.RUNNING, committed_step=20)
+    job.preemptions = 2
+    check_preemption_budget(job, "g7")  # its second preemption: within the budget
+    job.preemptions = 3
+    with pytest.raises(FailedPreconditionError, match=r"preempted 3 times \(last by g7\)"):
+        check_preemption_budget(job, "g7")
+    unlimited = Job("j2", spec(), JobState.RUNNING)
+    unlimited.preemptions = 1000
+    check_preemption_budget(unlimited, "g7")
+
+
+def test_a_negative_preemption_budget_is_refused():
+    with pytest.raises(InvalidRequestError, match="max_preemptions must be >= 0"):
+        spec(max_preemptions=-1)
