@@ -508,31 +508,22 @@ class Controller:
     ) -> tuple[Ticket, list[ArrayRecord]]:
         """Queues the reading of committed checkpoint `step` into new arrays of these
         shapes and shardings (see RestoreOp); returns them, pending."""
-        gang, client = self.manager.resolve(gang_id)
-        records = [
-            self.arrays.new(gang.gang_id, spec, sharding)
-            for spec, sharding in zip(specs, shardings, strict=True)
-        ]
-        ticket = self._submit(
-            gang,
-            client,
-            _marking(
-                records,
-                lambda seq: RestoreOp(
-                    seq,
-                    directory,
-                    step,
-                    tuple(r.handle for r in records),
-                    tuple(s.shape for s in specs),
-                    tuple(s.dtype for s in specs),
-                    tuple(shardings),
-                    tuple(expect),
-                    barrier_prefix,
-                ),
+        return self._new_arrays(
+            gang_id,
+            specs,
+            shardings,
+            lambda seq, handles: RestoreOp(
+                seq,
+                directory,
+                step,
+                handles,
+                tuple(s.shape for s in specs),
+                tuple(s.dtype for s in specs),
+                tuple(shardings),
+                tuple(expect),
+                barrier_prefix,
             ),
         )
-        ticket.done.add_done_callback(functools.partial(_settle_records, records))
-        return ticket, records
 
     def peer_restore(
         self,
@@ -544,27 +535,37 @@ class Controller:
     ) -> tuple[Ticket, list[ArrayRecord]]:
         """Queues the building of new arrays from the pieces of `sources` that a failed
         gang's surviving workers stashed (see PeerRestoreOp); returns them, pending."""
+        return self._new_arrays(
+            gang_id,
+            specs,
+            shardings,
+            lambda seq, handles: PeerRestoreOp(
+                seq,
+                handles,
+                tuple(sources),
+                tuple(s.shape for s in specs),
+                tuple(s.dtype for s in specs),
+                tuple(shardings),
+                tuple(stashes),
+            ),
+        )
+
+    def _new_arrays(
+        self,
+        gang_id: str,
+        specs: Sequence[ArraySpec],
+        shardings: Sequence[ShardingSpec],
+        build: Callable[[int, tuple[str, ...]], Any],
+    ) -> tuple[Ticket, list[ArrayRecord]]:
+        """Queues the operation `build(seq, handles)` that creates arrays of these specs
+        and shardings; returns its ticket and the arrays, pending until it completes."""
         gang, client = self.manager.resolve(gang_id)
         records = [
             self.arrays.new(gang.gang_id, spec, sharding)
             for spec, sharding in zip(specs, shardings, strict=True)
         ]
-        ticket = self._submit(
-            gang,
-            client,
-            _marking(
-                records,
-                lambda seq: PeerRestoreOp(
-                    seq,
-                    tuple(r.handle for r in records),
-                    tuple(sources),
-                    tuple(s.shape for s in specs),
-                    tuple(s.dtype for s in specs),
-                    tuple(shardings),
-                    tuple(stashes),
-                ),
-            ),
-        )
+        handles = tuple(r.handle for r in records)
+        ticket = self._submit(gang, client, _marking(records, lambda seq: build(seq, handles)))
         ticket.done.add_done_callback(functools.partial(_settle_records, records))
         return ticket, records
 

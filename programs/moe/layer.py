@@ -157,6 +157,27 @@ def route(logits: jax.Array, cfg: MoELayerConfig, capacity: int) -> Routing:
     return Routing(dispatch, combine, probs, experts, gates, jnp.stack(kept, axis=-1))
 
 
+def check_params(params: Params, x: jax.Array) -> tuple[int, int]:
+    """(T, E) of a layer call.
+
+    Raises:
+        ConfigError: the params and `x` disagree on sizes.
+    """
+    router, w1, w2 = params["router"], params["w1"], params["w2"]
+    tokens, d_model = x.shape
+    num_experts = router.shape[1]
+    if (
+        router.shape != (d_model, num_experts)
+        or w1.shape[:2] != (num_experts, d_model)
+        or w2.shape != (num_experts, w1.shape[2], d_model)
+    ):
+        raise ConfigError(
+            f"MoE params do not fit x [T, D] = {list(x.shape)}: need router [D, E], w1 [E, D, H] "
+            f"and w2 [E, H, D], got {list(router.shape)}, {list(w1.shape)}, {list(w2.shape)}"
+        )
+    return tokens, num_experts
+
+
 def moe_layer(
     params: Params, x: jax.Array, cfg: MoELayerConfig
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
@@ -174,18 +195,9 @@ def moe_layer(
         ConfigError: the params and `x` disagree on sizes, or T is not a multiple of
             `group_size`.
     """
+    tokens, num_experts = check_params(params, x)
     router, w1, w2 = params["router"], params["w1"], params["w2"]
-    tokens, d_model = x.shape
-    num_experts = router.shape[1]
-    if (
-        router.shape != (d_model, num_experts)
-        or w1.shape[:2] != (num_experts, d_model)
-        or w2.shape != (num_experts, w1.shape[2], d_model)
-    ):
-        raise ConfigError(
-            f"MoE params do not fit x [T, D] = {list(x.shape)}: need router [D, E], w1 [E, D, H] "
-            f"and w2 [E, H, D], got {list(router.shape)}, {list(w1.shape)}, {list(w2.shape)}"
-        )
+    d_model = x.shape[1]
     group = cfg.group_size or tokens
     if tokens % group:
         raise ConfigError(

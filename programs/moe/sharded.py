@@ -42,7 +42,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from programs.base import ConfigError
-from programs.moe.layer import MoELayerConfig, Params, expert_capacity, route
+from programs.moe.layer import MoELayerConfig, Params, check_params, expert_capacity, route
 from slicewise.common.mesh import MeshSpec
 
 # As in layer.py: every contraction at full float32 precision, so that routing and the
@@ -190,18 +190,9 @@ def sharded_moe_layer(
             not a multiple of the expert group size, or the routing groups do not split
             evenly over the token axes (with `group_size=None` that means any token split).
     """
+    tokens, num_experts = check_params(params, x)
     router, w1, w2 = params["router"], params["w1"], params["w2"]
-    tokens, d_model = x.shape
-    num_experts = router.shape[1]
-    if (
-        router.shape != (d_model, num_experts)
-        or w1.shape[:2] != (num_experts, d_model)
-        or w2.shape != (num_experts, w1.shape[2], d_model)
-    ):
-        raise ConfigError(
-            f"MoE params do not fit x [T, D] = {list(x.shape)}: need router [D, E], w1 [E, D, H] "
-            f"and w2 [E, H, D], got {list(router.shape)}, {list(w1.shape)}, {list(w2.shape)}"
-        )
+    d_model = x.shape[1]
     axis_sizes = dict(zip(mesh.axis_names, mesh.axis_sizes, strict=True))
     lay = _layout(axis_sizes, ep, cfg, tokens, num_experts)
     if ep.strategy == "flat":
