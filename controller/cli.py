@@ -328,9 +328,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--compilation-cache",
         metavar="DIR",
         default="",
-        help="JAX's persistent compilation cache for the workers, a path every host can "
-        "read (e.g. gs://...): a recovered gang loads its programs instead of compiling "
-        "them (default: <state-dir>/jax-cache with --sim, none otherwise)",
+        help="JAX's persistent compilation cache for the workers, a filesystem path on "
+        "every host: a recovered gang loads its programs instead of compiling them "
+        "(default: <state-dir>/jax-cache with --sim, none otherwise)",
     )
     p.add_argument(
         "--allow-chaos",

@@ -32,8 +32,8 @@ class ControllerOptions:
         compilation_cache_dir: JAX's persistent compilation cache for the workers ("":
             none): a gang started again after a failure loads its programs from it
             instead of compiling them again (seconds of a recovery on CPU; minutes for
-            a large model on TPU). A path every host can read (e.g. gs://...); only
-            process 0 writes it.
+            a large model on TPU). A filesystem path on every host (each worker keeps its
+            own executables there, see worker/executables.py).
     """
 
     worker_window: int = 3

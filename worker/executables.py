@@ -10,6 +10,9 @@ piece of a recovery. So each worker keeps its own compiled executable, keyed by 
 program (content and mesh), the gang's process count and its own process index, in the
 directory the persistent cache uses (`--compilation-cache`), next to JAX's entries.
 
+Only a path on the host's filesystem (local or mounted) is used for this; with a bucket
+URL (gs://...) only JAX's own cache is.
+
 The files are written by the workers of this deployment for themselves and read back
 only by them: like JAX's own cache, a directory only the operator can write.
 """

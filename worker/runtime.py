@@ -434,8 +434,8 @@ class JaxRuntime:
         else:
             self.compiling = program.name
             try:
-                cache = os.environ.get(executables.ENV_VAR)
-                if cache:
+                cache = os.environ.get(executables.ENV_VAR, "")
+                if cache and "://" not in cache:  # a bucket: JAX's own cache only
                     tree_args, tree_kwargs = jax.tree.unflatten(program.exported.in_tree, args)
                     path = executables.executable_path(
                         cache, op.program_id, self.gang.num_processes, self.process_id
