@@ -2,21 +2,33 @@
 one line per step otherwise (logs, pipes, tests), and the jobs table.
 
 Step times and tokens/s are the workers' measurements of each step (see controller/jobs.py),
-shown as they come: nothing here derives a rate from when reports arrive."""
+shown as they come: nothing here derives a rate from when reports arrive.
+
+A step of a Mixture-of-Experts model also carries each MoE layer's routing, shown as one
+line per layer: a bar with a block per expert, the busiest expert's load over the mean,
+the share of choices dropped for capacity and the share served on the token's own slice.
+The live view shows the latest step's; plain output, to keep logs short, only every
+`EXPERT_EVERY` steps and on the job's last step."""
 
 from __future__ import annotations
 
 import sys
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import TextIO
 
-from rich.console import Console
+from rich.console import Console, RenderableType
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
+from rich.text import Text
 
 from protos import controller_pb2 as pb
 
 TERMINAL = {pb.JOB_STATE_SUCCEEDED, pb.JOB_STATE_FAILED, pb.JOB_STATE_CANCELLED}
+
+# Plain output shows the MoE layers' routing after every this many steps (and the last).
+EXPERT_EVERY = 10
+
+_BLOCKS = "▁▂▃▄▅▆▇█"
 
 
 def state_name(state: int) -> str:
@@ -38,6 +50,45 @@ def step_line(job_id: str, steps: int, s: pb.StepMetrics) -> str:
     )
 
 
+def expert_bar(counts: Sequence[int]) -> str:
+    """One block per expert, its height the expert's count in eighths of the busiest
+    expert's, rounded up: "█" is the busiest, "▁" up to an eighth of it (or none at all).
+    All zeros (or no experts) give all "▁"."""
+    top = max(counts, default=0)
+    if top <= 0:
+        return _BLOCKS[0] * len(counts)
+    return "".join(_BLOCKS[max(0, -(-8 * n // top) - 1)] for n in counts)
+
+
+def max_over_mean(counts: Sequence[int]) -> float | None:
+    """The busiest expert's count over the mean count (1.0: perfectly balanced); None when
+    no expert served anything."""
+    total = sum(counts)
+    return max(counts) * len(counts) / total if total > 0 else None
+
+
+def expert_line(load: pb.ExpertLoad) -> str:
+    """One MoE layer's routing in a step: "moe0 load ▂▃█▁ max/mean 1.9 drop 2.1% local 63%"."""
+    ratio = max_over_mean(load.tokens_per_expert)
+    return (
+        f"moe{load.layer} load {expert_bar(load.tokens_per_expert)} "
+        f"max/mean {'-' if ratio is None else f'{ratio:.1f}'} "
+        f"drop {load.dropped_fraction:.1%} local {load.local_fraction:.0%}"
+    )
+
+
+def expert_lines(job_id: str, s: pb.StepMetrics) -> list[str]:
+    """The step's MoE routing, a line per layer, indented under its step line."""
+    return [f"{job_id}   {expert_line(load)}" for load in s.experts]
+
+
+def shows_experts(steps: int, s: pb.StepMetrics) -> bool:
+    """Whether plain output shows step `s`'s routing: every `EXPERT_EVERY` steps and the
+    job's last step (of `steps`), when it has any."""
+    done = s.step + 1
+    return bool(s.experts) and (done % EXPERT_EVERY == 0 or done == steps)
+
+
 def follow(
     events: Iterable[pb.JobEvent], *, plain: bool | None = None, out: TextIO = sys.stdout
 ) -> pb.JobInfo:
@@ -56,15 +107,29 @@ def _follow_plain(events: Iterable[pb.JobEvent], out: TextIO) -> pb.JobInfo:
         last_state = job.state
         for s in event.steps:
             print(step_line(job.job_id, job.steps, s), file=out, flush=True)
+            if shows_experts(job.steps, s):
+                for line in expert_lines(job.job_id, s):
+                    print(line, file=out, flush=True)
     if job is None:
         raise RuntimeError("the controller ended the stream before sending anything")
     return job
 
 
+class _RoutedProgress(Progress):
+    """A progress display with lines of text below its bars: the latest step's routing."""
+
+    below: tuple[str, ...] = ()
+
+    def get_renderables(self) -> Iterable[RenderableType]:
+        yield self.make_tasks_table(self.tasks)
+        for line in self.below:
+            yield Text(line)
+
+
 def _follow_live(events: Iterable[pb.JobEvent]) -> pb.JobInfo:
     console = Console()
     job = None
-    with Progress(
+    with _RoutedProgress(
         TextColumn("[bold]{task.description}"),
         BarColumn(),
         MofNCompleteColumn(),
@@ -87,6 +152,7 @@ def _follow_live(events: Iterable[pb.JobEvent]) -> pb.JobInfo:
                     f"loss {s.loss:.4f}  {s.tokens_per_s:,.0f} tok/s  "
                     f"{step_time(s.step_time_s)}/step"
                 )
+                progress.below = tuple(f"  {expert_line(load)}" for load in s.experts)
             progress.update(
                 task,
                 completed=job.step,
@@ -125,7 +191,27 @@ def summary(job: pb.JobInfo, steps: list[pb.StepMetrics]) -> str:
         text += f", resumed from step {job.resumed_from_step}"
     if job.error:
         text += f"; error: {job.error}"
-    return text
+    return text + "".join(f"\n{line}" for line in expert_summary(steps))
+
+
+def expert_summary(steps: list[pb.StepMetrics]) -> list[str]:
+    """Per MoE layer: its routing in the last step that reported it, and its dropped share
+    over all of `steps` that did (a mean of the steps' fractions); [] without MoE layers."""
+    last: dict[int, tuple[int, pb.ExpertLoad]] = {}
+    dropped: dict[int, list[float]] = {}
+    for s in steps:
+        for load in s.experts:
+            last[load.layer] = (s.step, load)
+            dropped.setdefault(load.layer, []).append(load.dropped_fraction)
+    lines = []
+    for layer in sorted(last):
+        step, load = last[layer]
+        fractions = dropped[layer]
+        lines.append(
+            f"  {expert_line(load)} at step {step + 1}; mean drop "
+            f"{sum(fractions) / len(fractions):.1%} over {len(fractions)} steps"
+        )
+    return lines
 
 
 def checkpoint(job: pb.JobInfo) -> str:

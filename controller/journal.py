@@ -1,9 +1,9 @@
 """The controller's journal in SQLite: jobs (spec, state, progress, newest committed
-checkpoint step, preemptions), their per-step metrics, the gangs the controller started
-and the counters its ids come from. What a job did is still there after it ended, and a
-controller restarted on the same state directory finds the jobs it has to continue
-(controller/jobs.py), the gangs that were lost with the old process, and numbers ids
-after the old ones (an old id never names a new object)."""
+checkpoint step, preemptions), their per-step metrics (with each MoE layer's routing), the
+gangs the controller started and the counters its ids come from. What a job did is still
+there after it ended, and a controller restarted on the same state directory finds the jobs
+it has to continue (controller/jobs.py), the gangs that were lost with the old process, and
+numbers ids after the old ones (an old id never names a new object)."""
 
 from __future__ import annotations
 
@@ -36,6 +36,7 @@ CREATE TABLE IF NOT EXISTS step_metrics (
     step INTEGER NOT NULL,
     loss REAL, grad_norm REAL, learning_rate REAL,
     step_time_s REAL, tokens_per_s REAL, wall_time REAL,
+    experts TEXT NOT NULL DEFAULT '[]',  -- JSON: the step's ExpertLoads, see _experts_json
     PRIMARY KEY (job_id, step)
 );
 CREATE TABLE IF NOT EXISTS gangs (
@@ -53,7 +54,7 @@ CREATE TABLE IF NOT EXISTS counters (
 """
 
 
-# Columns added to `jobs` after its first release, with their SQL types: a journal
+# Columns added to tables after their first release, with their SQL types: a journal
 # written before them gets them when it is opened.
 _ADDED_JOB_COLUMNS = {
     "committed_step": "INTEGER",
@@ -64,6 +65,30 @@ _ADDED_JOB_COLUMNS = {
     "keep_steps": "TEXT NOT NULL DEFAULT '[]'",  # JSON: checkpoint steps marked to keep
     "recoveries": "TEXT NOT NULL DEFAULT '[]'",  # JSON: job.Recovery records, oldest first
 }
+_ADDED_STEP_COLUMNS = {
+    "experts": "TEXT NOT NULL DEFAULT '[]'",  # JSON: the step's ExpertLoads
+}
+_ADDED_COLUMNS = {"jobs": _ADDED_JOB_COLUMNS, "step_metrics": _ADDED_STEP_COLUMNS}
+
+
+@dataclass(frozen=True)
+class ExpertLoad:
+    """How one Mixture-of-Experts layer routed its tokens in one step.
+
+    Attributes:
+        layer: the layer's index among the model's MoE layers (0-based), not among all
+            its layers.
+        tokens_per_expert: per expert, the expert choices (token, expert pairs) it
+            served this step, after the choices over its capacity were dropped.
+        dropped_fraction: the choices dropped for capacity over all choices made.
+        local_fraction: of the served choices, the share whose expert sits on the token's
+            own slice (1.0 when the experts do not span slices); the rest crossed DCN.
+    """
+
+    layer: int
+    tokens_per_expert: tuple[int, ...]
+    dropped_fraction: float
+    local_fraction: float
 
 
 @dataclass(frozen=True)
@@ -80,6 +105,30 @@ class StepRecord:
     step_time_s: float
     tokens_per_s: float
     wall_time: float
+    experts: tuple[ExpertLoad, ...] = ()  # one per MoE layer, by layer; () if none
+
+
+def _experts_json(experts: Iterable[ExpertLoad]) -> str:
+    """The `experts` column: a compact JSON list with one
+    `[layer, [tokens per expert...], dropped_fraction, local_fraction]` per layer, e.g.
+    `[[0,[12,30,7,0],0.021,0.63]]`. The casts take NumPy scalars, which json cannot."""
+    rows = [
+        [
+            int(e.layer),
+            [int(n) for n in e.tokens_per_expert],
+            float(e.dropped_fraction),
+            float(e.local_fraction),
+        ]
+        for e in experts
+    ]
+    return json.dumps(rows, separators=(",", ":"))
+
+
+def _experts_from_json(text: str) -> tuple[ExpertLoad, ...]:
+    return tuple(
+        ExpertLoad(int(layer), tuple(int(n) for n in tokens), float(dropped), float(local))
+        for layer, tokens, dropped, local in json.loads(text)
+    )
 
 
 class Journal:
@@ -95,10 +144,11 @@ class Journal:
             self._db.execute("PRAGMA journal_mode=WAL")
             self._db.execute("PRAGMA synchronous=NORMAL")
             self._db.executescript(_SCHEMA)
-            have = {row[1] for row in self._db.execute("PRAGMA table_info(jobs)")}
-            for name, kind in _ADDED_JOB_COLUMNS.items():
-                if name not in have:
-                    self._db.execute(f"ALTER TABLE jobs ADD COLUMN {name} {kind}")
+            for table, added in _ADDED_COLUMNS.items():
+                have = {row[1] for row in self._db.execute(f"PRAGMA table_info({table})")}
+                for name, kind in added.items():
+                    if name not in have:
+                        self._db.execute(f"ALTER TABLE {table} ADD COLUMN {name} {kind}")
 
     def close(self) -> None:
         with self._lock:
@@ -201,22 +251,30 @@ class Journal:
                 r.step_time_s,
                 r.tokens_per_s,
                 r.wall_time,
+                _experts_json(r.experts),
             )
             for r in records
         ]
         with self._lock:
             self._db.executemany(
-                "INSERT OR REPLACE INTO step_metrics VALUES (?, ?, ?, ?, ?, ?, ?, ?)", rows
+                "INSERT OR REPLACE INTO step_metrics (job_id, step, loss, grad_norm, "
+                "learning_rate, step_time_s, tokens_per_s, wall_time, experts) "
+                "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                rows,
             )
 
     def steps(self, job_id: str, since: int = 0) -> list[StepRecord]:
         with self._lock:
             rows = self._db.execute(
                 "SELECT step, loss, grad_norm, learning_rate, step_time_s, tokens_per_s, "
-                "wall_time FROM step_metrics WHERE job_id = ? AND step >= ? ORDER BY step",
+                "wall_time, experts FROM step_metrics WHERE job_id = ? AND step >= ? "
+                "ORDER BY step",
                 (job_id, since),
             ).fetchall()
-        return [StepRecord(*row) for row in rows]
+        return [
+            StepRecord(step, loss, grad_norm, lr, seconds, rate, wall, _experts_from_json(experts))
+            for step, loss, grad_norm, lr, seconds, rate, wall, experts in rows
+        ]
 
     def jobs(self) -> list[dict[str, Any]]:
         with self._lock:

@@ -38,6 +38,15 @@ def step_to_pb(record: StepRecord) -> pb.StepMetrics:
         step_time_s=record.step_time_s,
         tokens_per_s=record.tokens_per_s,
         wall_time=record.wall_time,
+        experts=[
+            pb.ExpertLoad(
+                layer=e.layer,
+                tokens_per_expert=e.tokens_per_expert,
+                dropped_fraction=e.dropped_fraction,
+                local_fraction=e.local_fraction,
+            )
+            for e in record.experts
+        ],
     )
 
 
