@@ -49,26 +49,33 @@ class ParallelAxes:
     """Which mesh axes carry which kind of parallelism, with their sizes.
 
     `data` axes split the batch only; `fsdp` splits the batch too and also one dimension
-    of every large weight (ZeRO-3 style); `tensor` splits weights Megatron-style. An axis of
-    the mesh named in none of them replicates everything. Sizes come from the mesh:
-    `make_train_fns` binds them, and `for_mesh` builds bound axes directly.
+    of every large weight (ZeRO-3 style); `tensor` splits weights Megatron-style; `expert`
+    splits the batch and, in programs with experts, the experts (expert parallelism). An
+    axis of the mesh named in none of them replicates everything. Sizes come from the
+    mesh: `make_train_fns` binds them, and `for_mesh` builds bound axes directly. `dcn`
+    says how many slices each axis spans (1 for an axis inside a slice; absent: 1), for
+    programs that count what crosses slices.
     """
 
     data: tuple[str, ...] = ("data",)
     fsdp: str | None = None
     tensor: str | None = None
     sizes: tuple[tuple[str, int], ...] = ()
+    expert: str | None = None
+    dcn: tuple[tuple[str, int], ...] = ()
 
     def __post_init__(self) -> None:
         named = [
             *self.data,
             *([self.fsdp] if self.fsdp and self.fsdp not in self.data else []),
             *([self.tensor] if self.tensor else []),
+            *([self.expert] if self.expert else []),
         ]
         if len(set(named)) != len(named):
             raise ConfigError(
                 f"parallel axes repeat: data={self.data}, fsdp={self.fsdp!r}, "
-                f"tensor={self.tensor!r}; the tensor axis must differ from the others"
+                f"tensor={self.tensor!r}, expert={self.expert!r}; the tensor and expert axes "
+                "must differ from the others"
             )
         known = dict(self.sizes)
         missing = [n for n in named if n not in known]
@@ -84,19 +91,33 @@ class ParallelAxes:
         data: Sequence[str] = ("data",),
         fsdp: str | None = None,
         tensor: str | None = None,
+        expert: str | None = None,
+        dcn: Mapping[str, int] | None = None,
     ) -> ParallelAxes:
-        """Binds axis names to the sizes of `mesh` (a `Mesh` or an `AbstractMesh`)."""
+        """Binds axis names to the sizes of `mesh` (a `Mesh` or an `AbstractMesh`); `dcn`
+        gives the slices each axis spans (default: none spans slices)."""
         sizes = tuple((str(n), int(s)) for n, s in mesh.shape.items())
-        return cls(tuple(data), fsdp, tensor, sizes)
+        spans = tuple(sorted((str(n), int(d)) for n, d in (dcn or {}).items()))
+        return cls(tuple(data), fsdp, tensor, sizes, expert, spans)
+
+    def bind(self, mesh: Any) -> ParallelAxes:
+        """These axes with the sizes of `mesh`."""
+        sizes = tuple((str(n), int(s)) for n, s in mesh.shape.items())
+        return self if dict(self.sizes) == dict(sizes) else dataclasses.replace(self, sizes=sizes)
 
     def size(self, name: str | None) -> int:
         """The size of a mesh axis; 1 for None (no such parallelism)."""
         return 1 if name is None else dict(self.sizes)[name]
 
+    def slices(self, name: str | None) -> int:
+        """How many slices a mesh axis spans (its DCN part); 1 for None."""
+        return 1 if name is None else dict(self.dcn).get(name, 1)
+
     @property
     def batch(self) -> tuple[str, ...]:
-        """The axes the batch dimension is split over: the data axes, then fsdp."""
-        return self.data + ((self.fsdp,) if self.fsdp and self.fsdp not in self.data else ())
+        """The axes the batch dimension is split over: the data axes, expert, then fsdp."""
+        extra = [a for a in (self.expert, self.fsdp) if a and a not in self.data]
+        return self.data + tuple(extra)
 
     @property
     def batch_ways(self) -> int:
@@ -131,6 +152,22 @@ class TrainingProgram(ABC, Generic[C]):
     @abstractmethod
     def loss(self, config: C, params: Params, batch: Batch) -> jax.Array:
         """The scalar training loss of one global batch."""
+
+    def loss_and_stats(
+        self,
+        config: C,
+        params: Params,
+        batch: Batch,
+        mesh: Any = None,
+        axes: ParallelAxes | None = None,
+    ) -> tuple[jax.Array, dict[str, jax.Array]]:
+        """The loss and statistics the step reports beside it (arrays of fixed shape, e.g.
+        how many tokens each expert served), traced on `mesh` with `axes` when the step is
+        sharded (None on one device). A program whose layers place their own collectives
+        (`shard_map`) uses them; the default is `loss` with no statistics, and XLA splits it.
+        """
+        del mesh, axes
+        return self.loss(config, params, batch), {}
 
     @abstractmethod
     def batch_spec(self, config: C) -> dict[str, jax.ShapeDtypeStruct]:
@@ -303,20 +340,32 @@ def train_step(
     params: Params,
     opt_state: Any,
     batch: Batch,
+    *,
+    mesh: Any = None,
+    axes: ParallelAxes | None = None,
 ) -> tuple[Params, Any, Batch]:
-    """One optimizer step; metrics are float32 scalars (loss, grad_norm, learning_rate).
+    """One optimizer step; metrics are float32: the scalars `METRICS` (loss, grad_norm,
+    learning_rate) and the program's statistics (`loss_and_stats`).
 
-    The same function runs sharded (`make_train_fns`) and on one device
-    (`reference_train`), so the two differ only in how XLA splits the work.
+    The same function runs sharded (`make_train_fns`, with the mesh and axes) and on one
+    device (`reference_train`), so the two differ only in how the work is split.
     """
     counts = optax.tree_utils.tree_get_all_with_path(opt_state, "count")
     if not counts:
         raise ConfigError(f"program {program.name!r}: its optimizer state has no update count")
     count = counts[0][1]
-    loss, grads = jax.value_and_grad(functools.partial(program.loss, config))(params, batch)
+
+    def loss_fn(params: Params) -> tuple[jax.Array, dict[str, jax.Array]]:
+        return program.loss_and_stats(config, params, batch, mesh, axes)
+
+    (loss, stats), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
+    clash = sorted(set(stats) & set(METRICS))
+    if clash:
+        raise ConfigError(f"program {program.name!r}: statistics {clash} shadow step metrics")
     updates, opt_state = optimizer.update(grads, opt_state, params)
     params = optax.apply_updates(params, updates)
     metrics = {
+        **stats,
         "loss": loss,
         "grad_norm": optax.tree.norm(grads),
         "learning_rate": program.learning_rate(config)(count),
@@ -365,9 +414,7 @@ def train_layout(
     Raises:
         ConfigError: the axes are not the mesh's, or the config does not divide the mesh.
     """
-    mesh_sizes = tuple((str(n), int(s)) for n, s in mesh.shape.items())
-    if dict(axes.sizes) != dict(mesh_sizes):
-        axes = ParallelAxes(axes.data, axes.fsdp, axes.tensor, mesh_sizes)
+    axes = axes.bind(mesh)
     optimizer = program.optimizer(config)
     params_shape, opt_shape = jax.eval_shape(
         functools.partial(_init, program, config, optimizer), jax.random.PRNGKey(0)
@@ -413,6 +460,7 @@ def _build(
     program: TrainingProgram[C], config: C, mesh: Any, axes: ParallelAxes
 ) -> tuple[TrainLayout, Callable[..., Any], Callable[..., Any]]:
     # Cached so that building the same job's functions again reuses their compilations.
+    axes = axes.bind(mesh)
     layout = train_layout(program, config, mesh, axes)
     optimizer = program.optimizer(config)
     params_sh, opt_sh = _shardings(layout.params), _shardings(layout.opt_state)
@@ -422,15 +470,16 @@ def _build(
         out_shardings=(params_sh, opt_sh),
     )
     step_fn = jax.jit(
-        functools.partial(train_step, program, config, optimizer),
+        functools.partial(train_step, program, config, optimizer, mesh=mesh, axes=axes),
         in_shardings=(params_sh, opt_sh, _shardings(layout.batch)),
         out_shardings=(params_sh, opt_sh, _metric_shardings(mesh)),
     )
     return layout, init_fn, step_fn
 
 
-def _metric_shardings(mesh: Any) -> dict[str, NamedSharding]:
-    return dict.fromkeys(METRICS, NamedSharding(mesh, P()))
+def _metric_shardings(mesh: Any) -> NamedSharding:
+    # Replicated, as a prefix of the whole metrics dict (whatever statistics it holds).
+    return NamedSharding(mesh, P())
 
 
 def make_train_fns(
@@ -441,7 +490,7 @@ def make_train_fns(
 
     `mesh` may be an `AbstractMesh` (for export) or a concrete `Mesh`; `axes` are bound to
     its sizes. `key` is a raw `jax.random.PRNGKey` (uint32[2]). Metrics are replicated
-    float32 scalars. optax states are NamedTuples, which `Exported.serialize()` refuses:
+    float32: the `METRICS` scalars and the program's statistics. optax states are NamedTuples, which `Exported.serialize()` refuses:
     to export, use `make_flat_train_fns`.
 
     Raises:
@@ -458,8 +507,9 @@ class FlatTrainFns:
 
     `init(key) -> state` and `step(state, batch) -> (state, metrics)`, where `state` is
     the `layout.state`-ordered leaves, `batch` a dict and `metrics` a dict of float32
-    scalars. Flattened for a call: inputs are the state leaves then the batch arrays by
-    sorted key; outputs the state leaves then the metrics by sorted key (`METRICS`).
+    arrays (`METRICS` scalars and the program's statistics). Flattened for a call: inputs
+    are the state leaves then the batch arrays by sorted key; outputs the state leaves then
+    the metrics by sorted key.
     """
 
     init: Callable[..., Any]

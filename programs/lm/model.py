@@ -47,13 +47,7 @@ def init_params(config: LMConfig, key: jax.Array) -> Params:
         "w_out": ((n, f, d), out_std * f**-0.5),
         "unembed": ((d, VOCAB_SIZE), 0.02),
     }
-    sizes = [math.prod(shape) for shape, _ in normals.values()]
-    draw = jax.random.normal(key, (sum(sizes),), jnp.float32)
-    pieces = jnp.split(draw, list(itertools.accumulate(sizes))[:-1])
-    w = {
-        name: piece.reshape(shape) * std
-        for (name, (shape, std)), piece in zip(normals.items(), pieces, strict=True)
-    }
+    w = draw_normals(key, normals)
     return {
         "embed": w["embed"],
         "pos": w["pos"],
@@ -72,13 +66,29 @@ def init_params(config: LMConfig, key: jax.Array) -> Params:
     }
 
 
-def _rms_norm(x: jax.Array, scale: jax.Array) -> jax.Array:
+def draw_normals(
+    key: jax.Array, normals: dict[str, tuple[tuple[int, ...], float]]
+) -> dict[str, jax.Array]:
+    """float32 normal(0, std) arrays of the given shapes, sliced from one draw (see
+    `init_params` for why one)."""
+    sizes = [math.prod(shape) for shape, _ in normals.values()]
+    draw = jax.random.normal(key, (sum(sizes),), jnp.float32)
+    pieces = jnp.split(draw, list(itertools.accumulate(sizes))[:-1])
+    return {
+        name: piece.reshape(shape) * std
+        for (name, (shape, std)), piece in zip(normals.items(), pieces, strict=True)
+    }
+
+
+def rms_norm(x: jax.Array, scale: jax.Array) -> jax.Array:
     return x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + _EPS) * scale
 
 
-def _layer(x: jax.Array, p: Params) -> tuple[jax.Array, None]:
+def attention(x: jax.Array, p: Params) -> jax.Array:
+    """The residual stream [B, T, D] after one pre-norm causal attention block (`p`: one
+    layer's attn_norm, wq, wk, wv, wo)."""
     t = x.shape[1]
-    h = _rms_norm(x, p["attn_norm"])
+    h = rms_norm(x, p["attn_norm"])
     q = jnp.einsum("btd,dhk->bthk", h, p["wq"])
     k = jnp.einsum("btd,dhk->bthk", h, p["wk"])
     v = jnp.einsum("btd,dhk->bthk", h, p["wv"])
@@ -86,25 +96,45 @@ def _layer(x: jax.Array, p: Params) -> tuple[jax.Array, None]:
     causal = jnp.tril(jnp.ones((t, t), bool))
     weights = jax.nn.softmax(jnp.where(causal, scores, -1e30), axis=-1)
     attended = jnp.einsum("bhqs,bshk->bqhk", weights, v)
-    x = x + jnp.einsum("bqhk,hkd->bqd", attended, p["wo"])
-    h = _rms_norm(x, p["mlp_norm"])
-    x = x + jax.nn.gelu(h @ p["w_in"]) @ p["w_out"]
-    return x, None
+    return x + jnp.einsum("bqhk,hkd->bqd", attended, p["wo"])
+
+
+def mlp(x: jax.Array, p: Params) -> jax.Array:
+    """The residual stream after one pre-norm GELU MLP block (`p`: mlp_norm, w_in, w_out)."""
+    h = rms_norm(x, p["mlp_norm"])
+    return x + jax.nn.gelu(h @ p["w_in"]) @ p["w_out"]
+
+
+def _layer(x: jax.Array, p: Params) -> tuple[jax.Array, None]:
+    return mlp(attention(x, p), p), None
+
+
+def embed(params: Params, tokens: jax.Array) -> jax.Array:
+    """The residual stream [B, T, D] of int tokens [B, T]: byte and position embeddings."""
+    return params["embed"][tokens] + params["pos"][: tokens.shape[1]]
+
+
+def head(params: Params, x: jax.Array) -> jax.Array:
+    """Next-byte logits [B, T, 256] of the final residual stream."""
+    return rms_norm(x, params["final_norm"]) @ params["unembed"]
+
+
+def next_byte_loss(logits: jax.Array, targets: jax.Array) -> jax.Array:
+    """Mean cross-entropy (nats) of `logits` [B, T, V] against int `targets` [B, T]."""
+    log_probs = jax.nn.log_softmax(logits, axis=-1)
+    return -jnp.mean(jnp.take_along_axis(log_probs, targets[..., None], axis=-1))
 
 
 def logits(config: LMConfig, params: Params, tokens: jax.Array) -> jax.Array:
     """Next-byte logits [B, T, 256] for int tokens [B, T] (T <= seq_len)."""
-    x = params["embed"][tokens] + params["pos"][: tokens.shape[1]]
-    x, _ = jax.lax.scan(_layer, x, params["layers"])
-    return _rms_norm(x, params["final_norm"]) @ params["unembed"]
+    x, _ = jax.lax.scan(_layer, embed(params, tokens), params["layers"])
+    return head(params, x)
 
 
 def loss(config: LMConfig, params: Params, batch: dict[str, jax.Array]) -> jax.Array:
     """Mean next-byte cross-entropy (nats) of `batch["tokens"]` [B, seq_len + 1]."""
     tokens = batch["tokens"]
-    log_probs = jax.nn.log_softmax(logits(config, params, tokens[:, :-1]), axis=-1)
-    picked = jnp.take_along_axis(log_probs, tokens[:, 1:, None], axis=-1)
-    return -jnp.mean(picked)
+    return next_byte_loss(logits(config, params, tokens[:, :-1]), tokens[:, 1:])
 
 
 def param_partition(config: LMConfig, params_shape: Params, axes: ParallelAxes) -> Params:
@@ -118,6 +148,17 @@ def param_partition(config: LMConfig, params_shape: Params, axes: ParallelAxes) 
     Raises:
         ConfigError: d_model, n_heads, d_ff or the vocabulary does not divide its axis.
     """
+    check_divides(config, axes)
+    del params_shape  # the layout is fixed by the config; shapes are checked by the caller
+    return {
+        **outer_partition(axes),
+        "layers": {**attention_partition(axes), **mlp_partition(axes)},
+    }
+
+
+def check_divides(config: LMConfig, axes: ParallelAxes) -> None:
+    """Raises ConfigError unless d_model, n_heads, d_ff and the vocabulary divide over
+    the FSDP and tensor-parallel axes that split them."""
     fsdp, tensor = axes.fsdp, axes.tensor
     for field, value, axis in (
         ("d_model", config.d_model, fsdp),
@@ -132,20 +173,32 @@ def param_partition(config: LMConfig, params_shape: Params, axes: ParallelAxes) 
                 f"{field}={value} does not divide over the {kind} mesh axis {axis!r} of "
                 f"size {ways}; pick {field} as a multiple of {ways} or a smaller {axis!r} axis"
             )
-    del params_shape  # the layout is fixed by the config; shapes are checked by the caller
+
+
+def outer_partition(axes: ParallelAxes) -> Params:
+    """Specs of the embeddings, final norm and output projection (see `param_partition`)."""
+    fsdp, tensor = axes.fsdp, axes.tensor
     return {
         "embed": P(tensor, fsdp),
         "pos": P(None, fsdp),
-        "layers": {
-            "attn_norm": P(),
-            "wq": P(None, fsdp, tensor, None),
-            "wk": P(None, fsdp, tensor, None),
-            "wv": P(None, fsdp, tensor, None),
-            "wo": P(None, tensor, None, fsdp),
-            "mlp_norm": P(),
-            "w_in": P(None, fsdp, tensor),
-            "w_out": P(None, tensor, fsdp),
-        },
         "final_norm": P(),
         "unembed": P(fsdp, tensor),
     }
+
+
+def attention_partition(axes: ParallelAxes) -> Params:
+    """Specs of the attention weights stacked over layers (leading layer dimension)."""
+    fsdp, tensor = axes.fsdp, axes.tensor
+    return {
+        "attn_norm": P(),
+        "wq": P(None, fsdp, tensor, None),
+        "wk": P(None, fsdp, tensor, None),
+        "wv": P(None, fsdp, tensor, None),
+        "wo": P(None, tensor, None, fsdp),
+    }
+
+
+def mlp_partition(axes: ParallelAxes) -> Params:
+    """Specs of the MLP weights stacked over layers (leading layer dimension)."""
+    fsdp, tensor = axes.fsdp, axes.tensor
+    return {"mlp_norm": P(), "w_in": P(None, fsdp, tensor), "w_out": P(None, tensor, fsdp)}
