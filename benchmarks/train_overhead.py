@@ -82,9 +82,8 @@ class _MultiController:
         config = program.make_config(overrides)
         abstract = mesh_spec.abstract()
         axes = ParallelAxes.for_mesh(abstract, data=("data",), fsdp="fsdp")
-        init_art, step_art, _, _ = _export(
-            make_flat_train_fns, program, config, abstract, axes, gang.platform
-        )
+        exported = _export(make_flat_train_fns, program, config, abstract, axes, gang.platform)
+        init_art, step_art = exported.init, exported.step
         mesh = Mesh(mesh_spec)
         init = gang.load(init_art, mesh, name="lm.init")
         self.step = gang.load(step_art, mesh, name="lm.step")

@@ -35,7 +35,13 @@ DEFAULT_KEEP_CHECKPOINTS = 3
 DEFAULT_MAX_FAILURES = 3
 
 # Mesh axis names and the parallelism they carry.
-DATA_AXIS, FSDP_AXIS, TENSOR_AXIS = "data", "fsdp", "tensor"
+DATA_AXIS, FSDP_AXIS, TENSOR_AXIS, EXPERT_AXIS = "data", "fsdp", "tensor", "expert"
+MESH_ROLES = {
+    DATA_AXIS: "data parallel",
+    FSDP_AXIS: "FSDP",
+    TENSOR_AXIS: "tensor parallel",
+    EXPERT_AXIS: "expert parallel",
+}
 
 
 class JobState(enum.Enum):
@@ -147,11 +153,10 @@ class JobSpec:
         if self.peer_recovery:
             self._check_replicated("peer recovery")
         for name, _, _ in self.mesh:
-            if name not in (DATA_AXIS, FSDP_AXIS, TENSOR_AXIS):
+            if name not in MESH_ROLES:
+                roles = ", ".join(f"{n!r} ({role})" for n, role in MESH_ROLES.items())
                 raise InvalidRequestError(
-                    f"mesh axis {name!r} has no role; name training mesh axes "
-                    f"{DATA_AXIS!r} (data parallel), {FSDP_AXIS!r} (FSDP) or {TENSOR_AXIS!r} "
-                    "(tensor parallel)"
+                    f"mesh axis {name!r} has no role; name training mesh axes {roles}"
                 )
 
     def _check_elastic(self) -> None:
@@ -178,19 +183,26 @@ class JobSpec:
 
     def mesh_for(self, gang: GangShape) -> MeshSpec:
         """The job's mesh on a gang; by default data parallel across slices (DCN) and FSDP
-        over the chips of each slice (ICI). An elastic job's data axis spans however many
-        slices its gang has (the global batch stays: each slice takes more of it)."""
-        if self.mesh and self.elastic_min_slices:
-            mesh = MeshSpec(
-                tuple(
-                    MeshAxis(n, gang.num_slices if n == DATA_AXIS else d, i)
-                    for n, d, i in self.mesh
-                )
-            )
-        elif self.mesh:
-            mesh = MeshSpec(tuple(MeshAxis(n, d, i) for n, d, i in self.mesh))
-        else:
+        over the chips of each slice (ICI). A mesh that leaves one of the two out gets its
+        default: `--dcn expert=2` alone is (expert=2 over slices, fsdp=chips inside them).
+        An elastic job's data axis spans however many slices its gang has (the global batch
+        stays: each slice takes more of it)."""
+        if not self.mesh:
             mesh = MeshSpec.build({DATA_AXIS: gang.num_slices}, {FSDP_AXIS: gang.chips_per_slice})
+            mesh.check_fits(gang)
+            return mesh
+        axes = [MeshAxis(n, d, i) for n, d, i in self.mesh]
+        if self.elastic_min_slices:
+            axes = [
+                MeshAxis(a.name, gang.num_slices if a.name == DATA_AXIS else a.dcn, a.ici)
+                for a in axes
+            ]
+        names = {a.name for a in axes}
+        if gang.num_slices > 1 and all(a.dcn == 1 for a in axes) and DATA_AXIS not in names:
+            axes.insert(0, MeshAxis(DATA_AXIS, gang.num_slices, 1))
+        if gang.chips_per_slice > 1 and all(a.ici == 1 for a in axes) and FSDP_AXIS not in names:
+            axes.append(MeshAxis(FSDP_AXIS, 1, gang.chips_per_slice))
+        mesh = MeshSpec(tuple(axes))
         mesh.check_fits(gang)
         return mesh
 
@@ -269,6 +281,8 @@ class Job:
     error: str = ""
     epoch: int = 0
     flops_per_step: float = 0.0
+    # Shapes of the program's statistics at the end of each step's metrics vector.
+    stat_shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)
     mesh: MeshSpec | None = None
     created_at: float = field(default_factory=time.time)
     updated_at: float = field(default_factory=time.time)

@@ -47,7 +47,7 @@ import time
 from collections import deque
 from collections.abc import AsyncIterator, Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 
@@ -57,6 +57,7 @@ from controller.gang import failpoint
 from controller.gangstate import GangState
 from controller.job import (
     DATA_AXIS,
+    EXPERT_AXIS,
     FSDP_AXIS,
     TENSOR_AXIS,
     Job,
@@ -67,7 +68,7 @@ from controller.job import (
     _spec_from_json,
     check_keep_step,
 )
-from controller.journal import Journal, StepRecord
+from controller.journal import ExpertLoad, Journal, StepRecord
 from controller.logs import set_log_context
 from slicewise.common.arrays import ArraySpec
 from slicewise.common.checkpoints import committed_steps, is_committed
@@ -736,10 +737,15 @@ class JobRunner:
             data=tuple(n for n in names if n == DATA_AXIS),
             fsdp=FSDP_AXIS if FSDP_AXIS in names else None,
             tensor=TENSOR_AXIS if TENSOR_AXIS in names else None,
+            expert=EXPERT_AXIS if EXPERT_AXIS in names else None,
+            dcn={a.name: a.dcn for a in mesh.axes},
         )
-        init_art, step_art, flops, state_specs = await asyncio.to_thread(
+        exported = await asyncio.to_thread(
             _export, make_flat_train_fns, program, config, abstract, axes, gang.platform
         )
+        init_art, step_art, flops = exported.init, exported.step, exported.flops
+        state_specs = exported.state_specs
+        job.stat_shapes = exported.stat_shapes
         job.flops_per_step = flops
         self.journal.update_job(job.job_id, time.time(), flops_per_step=flops)
         init = await c.register_program(gang.gang_id, f"{spec.program}.init", mesh, init_art)
@@ -747,9 +753,7 @@ class JobRunner:
             gang.gang_id, f"{spec.program}.step", mesh, step_art
         )
         n_state = len(init.outputs)
-        batch_sharding = ShardingSpec(
-            mesh, (tuple(n for n in names if n in (DATA_AXIS, FSDP_AXIS)),)
-        )
+        batch_sharding = ShardingSpec(mesh, (axes.batch,))
         batch_spec = program.batch_spec(config)
         fields = [
             ArraySpec.of(batch_spec[k].shape, batch_spec[k].dtype) for k in sorted(batch_spec)
@@ -813,7 +817,7 @@ class JobRunner:
                     raise FailedPreconditionError(
                         f"restoring checkpoint step {start} failed: {error}"
                     )
-                job.step = start
+                recorded, job.step = job.step, start
                 # Steps after `start` run again; their records are replaced as they do.
                 job.recent = deque((r for r in job.recent if r.step < start), maxlen=200)
                 self.journal.update_job(job.job_id, time.time(), step=start)
@@ -824,6 +828,11 @@ class JobRunner:
                     job.resumed_from = start
                     self.journal.update_job(job.job_id, time.time(), resumed_from_step=start)
                     begun = f"resumed from step {start} after {_why_resumed(job)} ({directory})"
+                    if start > recorded:  # storage held nothing earlier (retention, timing)
+                        begun += (
+                            f"; steps {recorded}-{start - 1} ran before it, but their metrics "
+                            "were lost with the gang"
+                        )
         state_handles = [r.handle for r in state]
         job.live_states = {job.step: state_handles} if spec.peer_recovery else {}
         tokens = program.tokens_per_step(config)
@@ -990,7 +999,7 @@ class JobRunner:
         error = await ticket.done
         if error:
             raise FailedPreconditionError(f"step {step} failed: {error}")
-        measured = step_record(step, ticket.values[0], ticket.ran, tokens)
+        measured = step_record(step, ticket.values[0], ticket.ran, tokens, job.stat_shapes)
         if step != job.compiled_at:  # that step's time includes compiling its program
             job.slowest_step_s = max(job.slowest_step_s, measured.step_time_s)
         if gang is not None:
@@ -1102,13 +1111,21 @@ def step_seconds(ran: Mapping[int, tuple[int, int]]) -> float:
 
 
 def step_record(
-    step: int, values: Sequence[float], ran: Mapping[int, tuple[int, int]], tokens: int
+    step: int,
+    values: Sequence[float],
+    ran: Mapping[int, tuple[int, int]],
+    tokens: int,
+    stat_shapes: Mapping[str, tuple[int, ...]] | None = None,
 ) -> StepRecord:
-    """A step's record from its completion: the reported metrics vector
-    [grad_norm, learning_rate, loss], when each host ran it (see `step_seconds`) and how
-    many tokens a step trains on. The first step's time includes compiling the program,
-    which each worker does when it launches it."""
-    grad_norm, learning_rate, loss = (float(v) for v in values)
+    """A step's record from its completion: the reported metrics vector (see `_export`:
+    [grad_norm, learning_rate, loss], then the program's statistics of `stat_shapes`
+    flattened in key order), when each host ran it (see `step_seconds`) and how many tokens
+    a step trains on. The first step's time includes compiling the program, which each
+    worker does when it launches it. A program that reports routing (`tokens_per_expert`
+    [L, E], `dropped_fraction` and `local_fraction` [L]) gets an `ExpertLoad` per MoE layer.
+    """
+    grad_norm, learning_rate, loss = (float(v) for v in values[:3])
+    stats = unpack_stats(values[3:], stat_shapes or {})
     seconds = step_seconds(ran)
     return StepRecord(
         step,
@@ -1118,16 +1135,69 @@ def step_record(
         seconds,
         tokens / seconds if seconds > 0 else 0.0,
         max(end for _, end in ran.values()) / 1e9,
+        experts=expert_loads(stats),
     )
+
+
+def unpack_stats(
+    values: Sequence[float], shapes: Mapping[str, tuple[int, ...]]
+) -> dict[str, np.ndarray]:
+    """The statistics of a metrics vector's tail, by name (packed in sorted key order).
+
+    Raises:
+        ValueError: the tail is not as long as the shapes say.
+    """
+    flat = np.asarray(values, np.float64).ravel()
+    sizes = {k: int(np.prod(shapes[k], dtype=np.int64)) for k in sorted(shapes)}
+    if flat.size != sum(sizes.values()):
+        raise ValueError(
+            f"the step reported {flat.size} statistics, but their shapes {dict(shapes)} "
+            f"make {sum(sizes.values())}"
+        )
+    out, at = {}, 0
+    for key, size in sizes.items():
+        out[key] = flat[at : at + size].reshape(shapes[key])
+        at += size
+    return out
+
+
+def expert_loads(stats: Mapping[str, np.ndarray]) -> tuple[ExpertLoad, ...]:
+    """One `ExpertLoad` per MoE layer from a step's routing statistics (none without)."""
+    counts = stats.get("tokens_per_expert")
+    if counts is None or counts.ndim != 2:
+        return ()
+    layers = counts.shape[0]
+    dropped = stats.get("dropped_fraction", np.zeros(layers))
+    local = stats.get("local_fraction", np.ones(layers))
+    return tuple(
+        ExpertLoad(
+            layer=i,
+            tokens_per_expert=tuple(int(round(c)) for c in counts[i]),
+            dropped_fraction=float(dropped[i]),
+            local_fraction=float(local[i]),
+        )
+        for i in range(layers)
+    )
+
+
+class ExportedTraining(NamedTuple):
+    """What `_export` makes of a program for a mesh."""
+
+    init: bytes  # serialized `jax.export` of init(key) -> state leaves
+    step: bytes  # of step(state, batch) -> (state leaves, metrics vector)
+    flops: float  # of one step, by XLA's cost analysis
+    state_specs: list[Any]  # the `PartitionSpec` of every state leaf
+    stat_shapes: dict[str, tuple[int, ...]]  # the program's statistics in the vector
 
 
 def _export(
     make_fns: Any, program: Any, config: Any, abstract: Any, axes: Any, platform: str
-) -> tuple[bytes, bytes, float, list[Any]]:
-    """Exports the flat init and a step that returns its metrics as one vector
-    [grad_norm, learning_rate, loss] (one fetch per step instead of three); also the
-    step's FLOPs from XLA's cost analysis of the lowered program, and the
-    `PartitionSpec` of every state leaf (what a checkpoint is restored onto)."""
+) -> ExportedTraining:
+    """Exports the flat init and a step that returns its metrics as one float32 vector
+    [grad_norm, learning_rate, loss, *statistics] (one fetch per step however many there
+    are; statistics flattened in key order); also the step's FLOPs from XLA's cost analysis
+    of the lowered program, and the `PartitionSpec` of every state leaf (what a checkpoint
+    is restored onto)."""
     import jax
     import jax.numpy as jnp
 
@@ -1135,12 +1205,16 @@ def _export(
 
     fns = make_fns(program, config, abstract, axes)
     state_shardings = [s.sharding for s in fns.layout.state]
+    _, metric_shapes = jax.eval_shape(fns.step, fns.layout.state, fns.layout.batch)
+    stat_shapes = {k: tuple(v.shape) for k, v in sorted(metric_shapes.items()) if k not in METRICS}
 
     def step(
         state: list[jax.Array], batch: dict[str, jax.Array]
     ) -> tuple[list[jax.Array], jax.Array]:
         new_state, values = fns.step(state, batch)
-        return new_state, jnp.stack([values[k] for k in METRICS])
+        packed = [values[k].reshape(1) for k in METRICS]
+        packed += [values[k].reshape(-1) for k in stat_shapes]
+        return new_state, jnp.concatenate(packed)
 
     replicated = jax.sharding.NamedSharding(abstract, jax.sharding.PartitionSpec())
     packed = jax.jit(step, out_shardings=(state_shardings, replicated))
@@ -1148,5 +1222,10 @@ def _export(
     exported = jax.export.export(packed, platforms=[platform])(fns.layout.state, fns.layout.batch)
     lowered = packed.trace(fns.layout.state, fns.layout.batch).lower(lowering_platforms=(platform,))
     flops = float((lowered.cost_analysis() or {}).get("flops", 0.0))
-    state_specs = [tuple(s.sharding.spec) for s in fns.layout.state]
-    return bytes(init.serialize()), bytes(exported.serialize()), flops, state_specs
+    return ExportedTraining(
+        init=bytes(init.serialize()),
+        step=bytes(exported.serialize()),
+        flops=flops,
+        state_specs=[tuple(s.sharding.spec) for s in fns.layout.state],
+        stat_shapes=stat_shapes,
+    )

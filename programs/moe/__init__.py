@@ -1,2 +1,9 @@
-"""Mixture-of-Experts pieces; `layer` holds the MoE layer as a pure JAX function (no program
-yet), `sharded` the same layer with its experts split over mesh axes (expert parallelism)."""
+"""The `moe` program (`slicewise train moe`) and its Mixture-of-Experts layer
+(`programs.moe.layer`, sharded in `programs.moe.sharded`)."""
+
+from programs.moe.config import MoEConfig
+from programs.moe.program import MoEProgram
+
+PROGRAM = MoEProgram()
+
+__all__ = ["PROGRAM", "MoEConfig", "MoEProgram"]

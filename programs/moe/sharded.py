@@ -65,11 +65,16 @@ class ExpertParallelism:
         data_axes: further axes the tokens are split over; the experts are replicated over
             them, so each data index has its own expert group and exchanges stay inside it.
         strategy: "flat" or "hierarchical" (see the module docstring).
+        expert_slices: how many slices the expert group spans, for the `local_fraction`
+            statistic. The slices must be the major part of the expert axes (a DCN axis
+            first, or one axis whose DCN part is major, as `MeshSpec` lays hybrid axes out),
+            so that slice s holds the s-th block of the group's devices and of the experts.
     """
 
     expert_axes: tuple[str, ...]
     data_axes: tuple[str, ...] = ()
     strategy: Strategy = "flat"
+    expert_slices: int = 1
 
     def __post_init__(self) -> None:
         # Accept a single axis name where a tuple is meant: ("expert") is a common slip.
@@ -91,6 +96,8 @@ class ExpertParallelism:
         axes = self.data_axes + self.expert_axes
         if len(set(axes)) != len(axes):
             raise ConfigError(f"an axis appears twice in data_axes + expert_axes: {axes}")
+        if isinstance(self.expert_slices, bool) or self.expert_slices < 1:
+            raise ConfigError(f"expert_slices={self.expert_slices!r} must be at least 1")
 
     @property
     def token_axes(self) -> tuple[str, ...]:
@@ -125,6 +132,11 @@ def _layout(
         raise ConfigError(
             f"{num_experts} experts do not split evenly over the {expert_devices} devices of "
             f"expert axes {ep.expert_axes}"
+        )
+    if expert_devices % ep.expert_slices:
+        raise ConfigError(
+            f"the {expert_devices} devices of expert axes {ep.expert_axes} do not split over "
+            f"expert_slices={ep.expert_slices} slices"
         )
     # Routing is per group, so a device may route its tokens alone only if it holds whole
     # groups; one group of all tokens (group_size=None) could only route on one device.
@@ -183,7 +195,9 @@ def sharded_moe_layer(
     `x: P(data_axes + expert_axes)`; `y` comes back split like `x`, the stats replicated.
 
     Returns:
-        `(y, stats)` as `moe_layer` returns them, up to float rounding of the sums.
+        `(y, stats)` as `moe_layer` returns them, up to float rounding of the sums, and
+        `stats["local_fraction"]`: the share of served choices whose expert is on the
+        token's own slice (1.0 when `ep.expert_slices` is 1).
 
     Raises:
         ConfigError: the params and `x` disagree on sizes, an axis is not in the mesh, E is
@@ -243,18 +257,37 @@ def sharded_moe_layer(
             "z_loss": z,
             "dropped_fraction": (choices - jnp.sum(served)).astype(jnp.float32) / choices,
             "tokens_per_expert": served,
+            "local_fraction": _local_fraction(routing.dispatch, served, lay, ep),
         }
         return y.reshape(-1, d_model).astype(x.dtype), stats
 
     split_tokens = P(ep.token_axes, None)
     split_experts = P(ep.expert_axes, None, None)
-    stat_specs = dict.fromkeys(("aux_loss", "z_loss", "dropped_fraction", "tokens_per_expert"), P())
+    stat_specs = dict.fromkeys(
+        ("aux_loss", "z_loss", "dropped_fraction", "tokens_per_expert", "local_fraction"), P()
+    )
     return jax.shard_map(
         local,
         mesh=mesh,
         in_specs=(P(), split_experts, split_experts, split_tokens),
         out_specs=(split_tokens, stat_specs),
     )(router, w1, w2, x)
+
+
+def _local_fraction(
+    dispatch: jax.Array, served: jax.Array, lay: _Layout, ep: ExpertParallelism
+) -> jax.Array:
+    """Of all choices served (over every device), the share served by an expert on the
+    slice that holds the token: this device's slice is its block of the expert group, and
+    expert e's slice is the block of the devices that own it (see `expert_slices`)."""
+    if ep.expert_slices == 1:
+        return jnp.float32(1.0)
+    here = jnp.sum(dispatch, axis=(0, 1, 3), dtype=jnp.int32)  # [E], this device's tokens
+    group = lay.num_experts // lay.experts_per_device  # devices in the expert group
+    my_slice = jax.lax.axis_index(ep.expert_axes) // (group // ep.expert_slices)
+    expert_slice = jnp.arange(lay.num_experts) // (lay.num_experts // ep.expert_slices)
+    local = jax.lax.psum(jnp.sum(jnp.where(expert_slice == my_slice, here, 0)), ep.token_axes)
+    return local.astype(jnp.float32) / jnp.maximum(jnp.sum(served), 1).astype(jnp.float32)
 
 
 @dataclass(frozen=True)

@@ -100,6 +100,20 @@ def test_default_mesh_is_data_over_slices_and_fsdp_inside():
         spec(mesh=(("data", 2, 1), ("fsdp", 1, 8))).mesh_for(GangShape(2, 1, 4))
 
 
+def test_a_mesh_given_only_across_or_only_inside_slices_gets_the_default_for_the_other():
+    def axes(mesh):
+        return [(a.name, a.dcn, a.ici) for a in spec(mesh=mesh).mesh_for(GangShape(2, 1, 4)).axes]
+
+    assert axes((("expert", 2, 1),)) == [("expert", 2, 1), ("fsdp", 1, 4)]
+    assert axes((("tensor", 1, 4),)) == [("data", 2, 1), ("tensor", 1, 4)]
+    # An axis that spans both is left as given: the gang must then match it exactly.
+    assert axes((("expert", 2, 4),)) == [("expert", 2, 4)]
+    with pytest.raises(ProgramMismatchError, match="ICI parts to 4"):
+        spec(mesh=(("expert", 2, 2),)).mesh_for(GangShape(2, 1, 4))
+    with pytest.raises(InvalidRequestError, match="'expert' \\(expert parallel\\)"):
+        spec(mesh=(("experts", 2, 1),))
+
+
 def test_journal_keeps_jobs_and_steps(tmp_path):
     journal = Journal(tmp_path / "j.sqlite")
     assert journal.next_job_number() == 1

@@ -1,0 +1,91 @@
+"""`slicewise train moe` with its experts split over two simulated slices (`--dcn
+expert=2`): the loss curve of a one-device reference run, routing statistics with every
+step, shown by the CLI and kept with the job's metrics."""
+
+from __future__ import annotations
+
+import functools
+import subprocess
+
+import numpy as np
+import pytest
+
+from programs.base import get_program, reference_train
+from programs.moe.config import SMALL_MOE_OVERRIDES
+from protos import controller_pb2 as pb
+from tests.integration.test_training import cli, wait_for
+
+pytestmark = pytest.mark.integration
+
+STEPS = 20
+SMALL = SMALL_MOE_OVERRIDES | {"total_steps": str(STEPS)}
+
+
+@functools.cache
+def reference() -> list[float]:
+    program = get_program("moe")
+    return reference_train(program, program.make_config(SMALL), STEPS)
+
+
+def check_routing(steps, config) -> None:
+    """Every step carries each MoE layer's routing, consistent with itself."""
+    choices = config.k * config.batch_size * config.seq_len
+    for s in steps:
+        assert [e.layer for e in s.experts] == list(range(config.n_moe_layers)), s
+        for e in s.experts:
+            assert len(e.tokens_per_expert) == config.n_experts
+            assert sum(e.tokens_per_expert) == round((1 - e.dropped_fraction) * choices)
+            assert 0.0 <= e.local_fraction <= 1.0
+
+
+def test_train_moe_over_two_slices_gives_the_reference_loss_curve(client, controller):
+    settings = [arg for k, v in SMALL.items() for arg in ("--set", f"{k}={v}")]
+    run = subprocess.run(
+        cli(
+            controller,
+            "train",
+            "moe",
+            "--slices",
+            "2",
+            "--steps",
+            str(STEPS),
+            "--dcn",
+            "expert=2",
+            "--plain",
+            *settings,
+        ),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+    job_id = run.stdout.split()[1].rstrip(":")  # "submitted j4: moe on ..."
+    done = client.job(job_id)
+    assert [(a.name, a.dcn, a.ici) for a in done.mesh.axes] == [("expert", 2, 1), ("fsdp", 1, 4)]
+    steps = client.job_metrics(job_id).steps
+    assert [s.step for s in steps] == list(range(STEPS))
+    losses = np.array([s.loss for s in steps])
+    np.testing.assert_allclose(losses, reference(), rtol=1e-4)
+    print(f"largest relative difference: {np.max(np.abs(losses / reference() - 1)):.2e}")
+    config = get_program("moe").make_config(SMALL)
+    check_routing(steps, config)
+    # The experts span both slices, so some choices leave their slice and some stay.
+    assert all(0.0 < e.local_fraction < 1.0 for s in steps for e in s.experts)
+    # The CLI showed the expert load of the last step.
+    assert f"{job_id}   moe0 load " in run.stdout, run.stdout[-1500:]
+
+
+def test_hierarchical_dispatch_trains_exactly_as_flat(client):
+    job = client.submit_job(
+        "moe",
+        slices=2,
+        slice_type="v5litepod-4",
+        steps=STEPS,
+        overrides=SMALL | {"dispatch": "hierarchical"},
+        dcn={"expert": 2},
+    )
+    done = wait_for(client, job.job_id, timeout=600)
+    assert done.state == pb.JOB_STATE_SUCCEEDED, done.error
+    steps = client.job_metrics(job.job_id).steps
+    np.testing.assert_allclose([s.loss for s in steps], reference(), rtol=1e-4)
+    check_routing(steps, get_program("moe").make_config(SMALL))
