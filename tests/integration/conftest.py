@@ -81,3 +81,19 @@ def two_slices(client):
     """A gang of both v5litepod-4 slices: 8 chips on 2 hosts, one per slice."""
     with client.allocate(slices=2, slice_type="v5litepod-4", timeout=120) as gang:
         yield gang
+
+
+@pytest.fixture(scope="session")
+def lm_reference(controller):
+    """(info, steps) of an uninterrupted `test_checkpoints.CONFIG` run of all its
+    `total_steps` (40) on 2 x v5litepod-4, without checkpoints, on the shared controller.
+
+    The reference of every module that compares a checkpointed, preempted, restarted or
+    recovered run with an uninterrupted one: the learning rate follows `total_steps`, not
+    the steps a job runs, so a shorter run of CONFIG is this run's prefix, and the same
+    program and seed give the same losses on any controller.
+    """
+    from tests.integration.test_checkpoints import CONFIG, run_job
+
+    with slicewise.connect(controller.address, name=f"reference-{os.getpid()}") as client:
+        return run_job(client, int(CONFIG["total_steps"]), checkpoint_every=0)

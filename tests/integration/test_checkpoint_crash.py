@@ -26,7 +26,6 @@ from tests.integration.conftest import controller_log, start_controller
 from tests.integration.test_checkpoints import (
     assert_losses_match,
     finished,
-    run_job,
     submit_lm,
     watch_messages,
 )
@@ -69,9 +68,9 @@ def crash_client(crash_controller):
 
 
 @pytest.fixture(scope="module")
-def uninterrupted(crash_client):
-    """The reference: STEPS steps in one go, no checkpoints."""
-    return run_job(crash_client, STEPS, checkpoint_every=0)
+def uninterrupted(lm_reference):
+    """The reference: CONFIG in one go, no checkpoints."""
+    return lm_reference
 
 
 def file_digests(path: Path) -> dict[str, str]:

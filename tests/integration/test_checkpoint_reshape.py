@@ -63,9 +63,9 @@ def saved(reshape_client, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def uninterrupted(reshape_client):
-    """The reference: STEPS steps in one go on 2 x v5litepod-4, no checkpoints."""
-    return run_lm(reshape_client, 2, "v5litepod-4", STEPS, checkpoint_every=0)
+def uninterrupted(lm_reference):
+    """The reference: CONFIG in one go on 2 x v5litepod-4, no checkpoints."""
+    return lm_reference
 
 
 def mesh_axes(info: pb.JobInfo) -> dict[str, tuple[int, int]]:

@@ -96,9 +96,9 @@ def checkpointed(client, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def uninterrupted(client):
-    """The reference: RESUMED steps in one go, no checkpoints."""
-    return run_job(client, RESUMED, checkpoint_every=0)
+def uninterrupted(lm_reference):
+    """The reference: CONFIG in one go, no checkpoints."""
+    return lm_reference
 
 
 def test_committed_steps_are_the_scheduled_ones_and_journalled(controller, checkpointed):

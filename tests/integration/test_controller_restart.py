@@ -22,7 +22,7 @@ from slicewise.common.checkpoints import committed_steps
 from slicewise.launch import ControllerProcess, RestartableController
 from slicewise.testing import wait_until
 from tests.integration.conftest import _LOG_OF, _LOGS
-from tests.integration.test_checkpoints import finished, run_job, submit_lm
+from tests.integration.test_checkpoints import finished, submit_lm
 
 pytestmark = pytest.mark.integration
 
@@ -31,10 +31,9 @@ SIM = "2xv5litepod-4"
 
 
 @pytest.fixture(scope="module")
-def uninterrupted(client):
-    """The reference: STEPS steps in one go, no checkpoints (on the shared controller:
-    the same program and seed give the same losses on any controller)."""
-    return run_job(client, STEPS, checkpoint_every=0)
+def uninterrupted(lm_reference):
+    """The reference: CONFIG in one go, no checkpoints (see `lm_reference`)."""
+    return lm_reference
 
 
 class Restartable(RestartableController):

@@ -22,7 +22,6 @@ from tests.integration.test_checkpoints import (
     assert_losses_match,
     cli,
     finished,
-    run_job,
     submit_lm,
     watch_messages,
 )
@@ -35,9 +34,9 @@ SHORT_GRACE_S, YIELD_DELAY_S = 2, 6
 
 
 @pytest.fixture(scope="module")
-def uninterrupted(client):
-    """The reference: STEPS steps in one go, no checkpoints."""
-    return run_job(client, STEPS, checkpoint_every=0)
+def uninterrupted(lm_reference):
+    """The reference: CONFIG in one go, no checkpoints."""
+    return lm_reference
 
 
 @pytest.fixture(scope="module")

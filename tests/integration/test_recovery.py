@@ -26,7 +26,6 @@ from tests.integration.conftest import start_controller
 from tests.integration.test_checkpoints import (
     assert_losses_match,
     finished,
-    run_job,
     submit_lm,
     watch_messages,
 )
@@ -67,9 +66,9 @@ def chaos_client(chaos_controller):
 
 
 @pytest.fixture(scope="module")
-def uninterrupted(chaos_client):
-    """The reference: STEPS steps in one go, no checkpoints."""
-    return run_job(chaos_client, STEPS, checkpoint_every=0)
+def uninterrupted(lm_reference):
+    """The reference: CONFIG in one go, no checkpoints."""
+    return lm_reference
 
 
 @pytest.mark.timeout(900)
