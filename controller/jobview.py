@@ -8,7 +8,13 @@ A step of a Mixture-of-Experts model also carries each MoE layer's routing, show
 line per layer: a bar with a block per expert, the busiest expert's load over the mean,
 the share of choices dropped for capacity and the share served on the token's own slice.
 The live view shows the latest step's; plain output, to keep logs short, only every
-`EXPERT_EVERY` steps and on the job's last step."""
+`EXPERT_EVERY` steps and on the job's last step.
+
+Traffic between slices (DCN) is shown the same way, as one line under those: what the
+workers measured per step (averaged over a window of steps; not every step carries a
+measurement) next to what the controller predicted from the compiled program's collectives.
+Plain output shows it every `EXPERT_EVERY` steps when that step carries a measurement, and
+on the last step."""
 
 from __future__ import annotations
 
@@ -25,8 +31,11 @@ from protos import controller_pb2 as pb
 
 TERMINAL = {pb.JOB_STATE_SUCCEEDED, pb.JOB_STATE_FAILED, pb.JOB_STATE_CANCELLED}
 
-# Plain output shows the MoE layers' routing after every this many steps (and the last).
+# Plain output shows the MoE layers' routing and the DCN traffic after every this many
+# steps (and the last).
 EXPERT_EVERY = 10
+
+_BYTE_UNITS = ("kB", "MB", "GB")
 
 _BLOCKS = "▁▂▃▄▅▆▇█"
 
@@ -82,11 +91,69 @@ def expert_lines(job_id: str, s: pb.StepMetrics) -> list[str]:
     return [f"{job_id}   {expert_line(load)}" for load in s.experts]
 
 
-def shows_experts(steps: int, s: pb.StepMetrics) -> bool:
-    """Whether plain output shows step `s`'s routing: every `EXPERT_EVERY` steps and the
-    job's last step (of `steps`), when it has any."""
+def shows_details(steps: int, s: pb.StepMetrics) -> bool:
+    """Whether plain output shows more than step `s`'s line (routing, DCN traffic) after
+    it: every `EXPERT_EVERY` steps and the job's last step (of `steps`)."""
     done = s.step + 1
-    return bool(s.experts) and (done % EXPERT_EVERY == 0 or done == steps)
+    return done % EXPERT_EVERY == 0 or done == steps
+
+
+def shows_experts(steps: int, s: pb.StepMetrics) -> bool:
+    """Whether plain output shows step `s`'s routing: on the steps it shows details on,
+    when it has any."""
+    return bool(s.experts) and shows_details(steps, s)
+
+
+def human_bytes(n: float) -> str:
+    """Bytes for people in decimal units to 3 significant digits, trailing zeros kept:
+    "0 B", "999 B", "1.23 kB", "1.50 MB", "12.0 GB". Below a kB whole bytes; GB is the
+    largest unit ("1500 GB")."""
+    if round(n) < 1000:
+        return f"{n:.0f} B"
+    for unit in _BYTE_UNITS:
+        n /= 1000
+        for decimals in (2, 1, 0):
+            text = f"{n:.{decimals}f}"
+            # Rounding can carry into the next digit ("9.995" -> "10.00"): one decimal less.
+            if float(text) < 10 ** (3 - decimals):
+                return f"{text} {unit}"
+    return f"{n:.0f} {_BYTE_UNITS[-1]}"
+
+
+def _dcn_predicted(job: pb.JobInfo) -> str:
+    return (
+        f"predicted {human_bytes(job.dcn_bytes_predicted)}, "
+        f"{job.dcn_messages_predicted:,} messages/step"
+    )
+
+
+def dcn_line(job: pb.JobInfo, s: pb.StepMetrics) -> str | None:
+    """Step `s`'s measured traffic between slices and the job's predicted traffic, e.g.
+    "dcn measured 1.23 MB/step, 410 segments/step (over 10 steps); predicted 1.10 MB, 96
+    messages/step", leaving out the half it lacks; None when it has neither."""
+    parts = []
+    if s.dcn_window > 0:
+        plural = "s" if s.dcn_window > 1 else ""
+        parts.append(
+            f"measured {human_bytes(s.dcn_bytes)}/step, {s.dcn_segments:,.0f} segments/step "
+            f"(over {s.dcn_window} step{plural})"
+        )
+    if job.dcn_predicted:
+        parts.append(_dcn_predicted(job))
+    return "dcn " + "; ".join(parts) if parts else None
+
+
+def detail_lines(job: pb.JobInfo, s: pb.StepMetrics) -> list[str]:
+    """What plain output shows under step `s`'s line: on the steps `shows_details` picks,
+    its routing and its DCN line; the latter only when the step carries a measurement or is
+    the last, so that a prediction alone is not repeated every `EXPERT_EVERY` steps."""
+    if not shows_details(job.steps, s):
+        return []
+    lines = expert_lines(job.job_id, s)
+    dcn = dcn_line(job, s)
+    if dcn is not None and (s.dcn_window > 0 or s.step + 1 == job.steps):
+        lines.append(f"{job.job_id}   {dcn}")
+    return lines
 
 
 def follow(
@@ -107,16 +174,16 @@ def _follow_plain(events: Iterable[pb.JobEvent], out: TextIO) -> pb.JobInfo:
         last_state = job.state
         for s in event.steps:
             print(step_line(job.job_id, job.steps, s), file=out, flush=True)
-            if shows_experts(job.steps, s):
-                for line in expert_lines(job.job_id, s):
-                    print(line, file=out, flush=True)
+            for line in detail_lines(job, s):
+                print(line, file=out, flush=True)
     if job is None:
         raise RuntimeError("the controller ended the stream before sending anything")
     return job
 
 
 class _RoutedProgress(Progress):
-    """A progress display with lines of text below its bars: the latest step's routing."""
+    """A progress display with lines of text below its bars: the latest step's routing and
+    the latest DCN measurement."""
 
     below: tuple[str, ...] = ()
 
@@ -139,6 +206,8 @@ def _follow_live(events: Iterable[pb.JobEvent]) -> pb.JobInfo:
         transient=False,
     ) as progress:
         task = None
+        routing: tuple[str, ...] = ()
+        measured: pb.StepMetrics | None = None  # the latest step with a DCN measurement
         for event in events:
             job = event.job
             if task is None:
@@ -152,7 +221,12 @@ def _follow_live(events: Iterable[pb.JobEvent]) -> pb.JobInfo:
                     f"loss {s.loss:.4f}  {s.tokens_per_s:,.0f} tok/s  "
                     f"{step_time(s.step_time_s)}/step"
                 )
-                progress.below = tuple(f"  {expert_line(load)}" for load in s.experts)
+                routing = tuple(f"  {expert_line(load)}" for load in s.experts)
+            for s in (*event.steps, *([job.last] if job.HasField("last") else [])):
+                if s.dcn_window > 0:
+                    measured = s
+            dcn = dcn_line(job, measured or pb.StepMetrics())
+            progress.below = routing + (() if dcn is None else (f"  {dcn}",))
             progress.update(
                 task,
                 completed=job.step,
@@ -191,7 +265,11 @@ def summary(job: pb.JobInfo, steps: list[pb.StepMetrics]) -> str:
         text += f", resumed from step {job.resumed_from_step}"
     if job.error:
         text += f"; error: {job.error}"
-    return text + "".join(f"\n{line}" for line in expert_summary(steps))
+    lines = expert_summary(steps)
+    dcn = dcn_summary(job, steps)
+    if dcn is not None:
+        lines.append(dcn)
+    return text + "".join(f"\n{line}" for line in lines)
 
 
 def expert_summary(steps: list[pb.StepMetrics]) -> list[str]:
@@ -212,6 +290,25 @@ def expert_summary(steps: list[pb.StepMetrics]) -> list[str]:
             f"{sum(fractions) / len(fractions):.1%} over {len(fractions)} steps"
         )
     return lines
+
+
+def dcn_summary(job: pb.JobInfo, steps: list[pb.StepMetrics]) -> str | None:
+    """The traffic between slices measured over all of `steps` that carry a measurement
+    (their means weighted by their windows, which are taken not to overlap) and the job's
+    prediction; None when no step carries one."""
+    measured = [s for s in steps if s.dcn_window > 0]
+    if not measured:
+        return None
+    window = sum(s.dcn_window for s in measured)
+    per_step = sum(s.dcn_bytes * s.dcn_window for s in measured) / window
+    segments = sum(s.dcn_segments * s.dcn_window for s in measured) / window
+    text = (
+        f"  dcn {human_bytes(per_step)}/step measured over {window} step"
+        f"{'s' if window > 1 else ''} ({segments:,.0f} segments/step)"
+    )
+    if job.dcn_predicted:
+        text += f"; {_dcn_predicted(job)}"
+    return text
 
 
 def checkpoint(job: pb.JobInfo) -> str:

@@ -1,6 +1,6 @@
 """The controller's journal in SQLite: jobs (spec, state, progress, newest committed
-checkpoint step, preemptions), their per-step metrics (with each MoE layer's routing), the
-gangs the controller started and the counters its ids come from. What a job did is still
+checkpoint step, preemptions), their per-step metrics (with each MoE layer's routing and
+the traffic measured between slices), the gangs the controller started and the counters its ids come from. What a job did is still
 there after it ended, and a controller restarted on the same state directory finds the jobs
 it has to continue (controller/jobs.py), the gangs that were lost with the old process, and
 numbers ids after the old ones (an old id never names a new object)."""
@@ -37,6 +37,9 @@ CREATE TABLE IF NOT EXISTS step_metrics (
     loss REAL, grad_norm REAL, learning_rate REAL,
     step_time_s REAL, tokens_per_s REAL, wall_time REAL,
     experts TEXT NOT NULL DEFAULT '[]',  -- JSON: the step's ExpertLoads, see _experts_json
+    dcn_bytes REAL NOT NULL DEFAULT 0,
+    dcn_segments REAL NOT NULL DEFAULT 0,
+    dcn_window INTEGER NOT NULL DEFAULT 0,  -- 0: the step carries no DCN measurement
     PRIMARY KEY (job_id, step)
 );
 CREATE TABLE IF NOT EXISTS gangs (
@@ -67,6 +70,9 @@ _ADDED_JOB_COLUMNS = {
 }
 _ADDED_STEP_COLUMNS = {
     "experts": "TEXT NOT NULL DEFAULT '[]'",  # JSON: the step's ExpertLoads
+    "dcn_bytes": "REAL NOT NULL DEFAULT 0",
+    "dcn_segments": "REAL NOT NULL DEFAULT 0",
+    "dcn_window": "INTEGER NOT NULL DEFAULT 0",
 }
 _ADDED_COLUMNS = {"jobs": _ADDED_JOB_COLUMNS, "step_metrics": _ADDED_STEP_COLUMNS}
 
@@ -96,7 +102,12 @@ class StepRecord:
     """What one training step measured. `step_time_s` is how long the step ran on the
     gang as its workers measured it (the slowest host's time, see jobs.step_seconds),
     `tokens_per_s` the step's tokens over that time, and `wall_time` when the step
-    finished (seconds since the epoch, by the clock of the host that finished last)."""
+    finished (seconds since the epoch, by the clock of the host that finished last).
+
+    `dcn_bytes` and `dcn_segments` are the traffic measured between slices per step (TCP
+    payload bytes and data segments between worker processes of different slices, on the
+    simulation), averaged over the last `dcn_window` steps; `dcn_window` 0 means the step
+    carries no measurement."""
 
     step: int
     loss: float
@@ -106,6 +117,9 @@ class StepRecord:
     tokens_per_s: float
     wall_time: float
     experts: tuple[ExpertLoad, ...] = ()  # one per MoE layer, by layer; () if none
+    dcn_bytes: float = 0.0
+    dcn_segments: float = 0.0
+    dcn_window: int = 0
 
 
 def _experts_json(experts: Iterable[ExpertLoad]) -> str:
@@ -128,6 +142,24 @@ def _experts_from_json(text: str) -> tuple[ExpertLoad, ...]:
     return tuple(
         ExpertLoad(int(layer), tuple(int(n) for n in tokens), float(dropped), float(local))
         for layer, tokens, dropped, local in json.loads(text)
+    )
+
+
+def _step_record(row: tuple[Any, ...]) -> StepRecord:
+    """A row of `step_metrics`, its columns in the order `Journal.steps` selects them."""
+    step, loss, grad_norm, lr, seconds, rate, wall, experts, dcn_bytes, segments, window = row
+    return StepRecord(
+        step,
+        loss,
+        grad_norm,
+        lr,
+        seconds,
+        rate,
+        wall,
+        _experts_from_json(experts),
+        float(dcn_bytes),
+        float(segments),
+        int(window),
     )
 
 
@@ -252,14 +284,17 @@ class Journal:
                 r.tokens_per_s,
                 r.wall_time,
                 _experts_json(r.experts),
+                float(r.dcn_bytes),
+                float(r.dcn_segments),
+                int(r.dcn_window),
             )
             for r in records
         ]
         with self._lock:
             self._db.executemany(
                 "INSERT OR REPLACE INTO step_metrics (job_id, step, loss, grad_norm, "
-                "learning_rate, step_time_s, tokens_per_s, wall_time, experts) "
-                "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                "learning_rate, step_time_s, tokens_per_s, wall_time, experts, dcn_bytes, "
+                "dcn_segments, dcn_window) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                 rows,
             )
 
@@ -267,14 +302,11 @@ class Journal:
         with self._lock:
             rows = self._db.execute(
                 "SELECT step, loss, grad_norm, learning_rate, step_time_s, tokens_per_s, "
-                "wall_time, experts FROM step_metrics WHERE job_id = ? AND step >= ? "
-                "ORDER BY step",
+                "wall_time, experts, dcn_bytes, dcn_segments, dcn_window FROM step_metrics "
+                "WHERE job_id = ? AND step >= ? ORDER BY step",
                 (job_id, since),
             ).fetchall()
-        return [
-            StepRecord(step, loss, grad_norm, lr, seconds, rate, wall, _experts_from_json(experts))
-            for step, loss, grad_norm, lr, seconds, rate, wall, experts in rows
-        ]
+        return [_step_record(row) for row in rows]
 
     def jobs(self) -> list[dict[str, Any]]:
         with self._lock:

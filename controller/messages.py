@@ -47,6 +47,9 @@ def step_to_pb(record: StepRecord) -> pb.StepMetrics:
             )
             for e in record.experts
         ],
+        dcn_bytes=record.dcn_bytes,
+        dcn_segments=record.dcn_segments,
+        dcn_window=record.dcn_window,
     )
 
 
@@ -101,4 +104,8 @@ def job_to_pb(job: Job) -> pb.JobInfo:
         info.mesh.CopyFrom(mesh_to_pb(job.mesh))
     if job.last is not None:
         info.last.CopyFrom(step_to_pb(job.last))
+    if job.dcn_predicted is not None:
+        info.dcn_predicted = True
+        info.dcn_bytes_predicted = job.dcn_predicted.bytes
+        info.dcn_messages_predicted = job.dcn_predicted.messages
     return info

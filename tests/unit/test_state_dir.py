@@ -1,6 +1,7 @@
 """Where a controller keeps its state when not told, the lock that keeps two controllers
 off one state directory (no processes: the lock is per open file), and the per-step MoE
-routing its journal keeps there (also in journals written before it was kept)."""
+routing and DCN traffic its journal keeps there (also in journals written before they were
+kept)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import sqlite3
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from controller.journal import ExpertLoad, Journal, StepRecord
 from controller.server import default_state_dir, lock_state_dir
@@ -93,3 +95,70 @@ def test_a_journal_from_before_moe_routing_gains_the_column(tmp_path):
 
     again = Journal(path)  # opening it twice adds nothing twice
     assert [s.experts for s in again.steps("j1")] == [(), ROUTED]
+
+
+def test_the_journal_keeps_each_steps_measured_dcn_traffic(tmp_path):
+    journal = Journal(tmp_path / "j.sqlite")
+    journal.add_steps(
+        "j1",
+        [
+            StepRecord(0, 5.5, 1.0, 1e-3, 0.2, 5000.0, 100.5),  # measured nothing
+            StepRecord(1, 5.0, 0.9, 2e-3, 0.1, 1e4, 100.6, ROUTED, 1.5e6, 410.5, 2),
+            # What a worker's NumPy scalars give.
+            StepRecord(2, 4.5, 0.8, 3e-3, 0.1, 1e4, 100.7, (), np.float64(2e3), np.int64(3), 1),
+        ],
+    )
+    journal.close()
+
+    again = Journal(tmp_path / "j.sqlite")
+    unmeasured, measured, numpy = again.steps("j1")
+    assert (unmeasured.dcn_bytes, unmeasured.dcn_segments, unmeasured.dcn_window) == (0, 0, 0)
+    assert measured == StepRecord(1, 5.0, 0.9, 2e-3, 0.1, 1e4, 100.6, ROUTED, 1.5e6, 410.5, 2)
+    assert (numpy.dcn_bytes, numpy.dcn_segments, numpy.dcn_window) == (2e3, 3.0, 1)
+    assert [type(v) for v in (numpy.dcn_bytes, numpy.dcn_segments, numpy.dcn_window)] == [
+        float,
+        float,
+        int,
+    ]
+    assert again.steps("j1", since=2) == [numpy]
+
+
+# A journal from after the MoE routing and before the DCN traffic.
+ROUTED_STEPS = """
+CREATE TABLE step_metrics (
+    job_id TEXT NOT NULL,
+    step INTEGER NOT NULL,
+    loss REAL, grad_norm REAL, learning_rate REAL,
+    step_time_s REAL, tokens_per_s REAL, wall_time REAL,
+    experts TEXT NOT NULL DEFAULT '[]',
+    PRIMARY KEY (job_id, step)
+);
+INSERT INTO step_metrics VALUES ('j1', 0, 5.5, 1.0, 0.001, 0.2, 5000.0, 100.5, '[[0,[1,2],0.5,1.0]]');
+"""
+
+
+@pytest.mark.parametrize("old", [OLD_STEPS, ROUTED_STEPS], ids=["before-moe", "before-dcn"])
+def test_a_journal_from_before_dcn_traffic_gains_the_columns(tmp_path, old):
+    path = tmp_path / "j.sqlite"
+    db = sqlite3.connect(path)
+    db.executescript(old)
+    db.close()
+
+    journal = Journal(path)
+    (first,) = journal.steps("j1")
+    assert (first.dcn_bytes, first.dcn_segments, first.dcn_window) == (0, 0, 0)
+    assert type(first.dcn_bytes) is float and type(first.dcn_window) is int
+    journal.add_steps("j1", [StepRecord(1, 5.0, 0.9, 2e-3, 0.1, 1e4, 100.6, (), 1.5e6, 410.5, 2)])
+    journal.close()
+
+    again = Journal(path)  # opening it twice adds nothing twice
+    assert [(s.dcn_bytes, s.dcn_window) for s in again.steps("j1")] == [(0, 0), (1.5e6, 2)]
+    columns = {
+        row[1]: row for row in sqlite3.connect(path).execute("PRAGMA table_info(step_metrics)")
+    }
+    assert [columns[c][2] for c in ("dcn_bytes", "dcn_segments", "dcn_window")] == [
+        "REAL",
+        "REAL",
+        "INTEGER",
+    ]
+    assert all(columns[c][3] for c in ("dcn_bytes", "dcn_segments", "dcn_window"))  # NOT NULL
