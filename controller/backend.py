@@ -74,6 +74,8 @@ class Worker(Protocol):
 
     async def stats(self) -> dict[str, Any]: ...
 
+    async def compiled_text(self, program_id: str) -> str: ...
+
     async def trace_spans(self) -> list[Span]: ...
 
     async def drop_pin(self, pin_id: str) -> None: ...
@@ -184,6 +186,9 @@ class _Actor:
 
     async def stats(self) -> dict[str, Any]:
         return await self.actor.stats.remote()
+
+    async def compiled_text(self, program_id: str) -> str:
+        return await self.actor.compiled_text.remote(program_id)
 
     async def trace_spans(self) -> list[Span]:
         return await self.actor.trace_spans.remote()

@@ -495,6 +495,11 @@ class Gang:
     async def worker_stats(self) -> list[dict[str, Any]]:
         return list(await asyncio.gather(*(w.stats() for w in self._workers)))
 
+    async def compiled_text(self, program_id: str) -> str:
+        """The compiled HLO of a loaded program, from the worker of process 0 (every
+        process compiles the same partitioned module)."""
+        return await self._workers[0].compiled_text(program_id)
+
     # -- stop -----------------------------------------------------------------------
 
     def stop(self, then: GangState, why: str) -> asyncio.Future[None]:

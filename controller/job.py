@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from controller.chaos import Fault
+from controller.dcn import DcnMeter, DcnTraffic
 from controller.journal import StepRecord
 from slicewise.common.errors import InvalidRequestError, InvalidTransitionError
 from slicewise.common.mesh import GangShape, MeshAxis, MeshSpec
@@ -283,6 +284,14 @@ class Job:
     flops_per_step: float = 0.0
     # Shapes of the program's statistics at the end of each step's metrics vector.
     stat_shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    # Bytes and messages a step sends between slices, predicted from the compiled step
+    # (controller/dcn.py); None until the first step of a start has compiled it.
+    dcn_predicted: DcnTraffic | None = None
+    # The measurement of traffic between slices on the simulation, and where its last
+    # reading was taken (the job's step count then); None where it is not measured.
+    dcn_meter: DcnMeter | None = None
+    dcn_read_at: tuple[int, int, int] = (0, 0, 0)  # (step, bytes, segments)
+    step_program_id: str = ""  # the step program of the current start
     mesh: MeshSpec | None = None
     created_at: float = field(default_factory=time.time)
     updated_at: float = field(default_factory=time.time)

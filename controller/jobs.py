@@ -51,8 +51,9 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 
-from controller import chaos, metrics
+from controller import chaos, dcn, metrics
 from controller.checkpoints import resume_step, save_steps, yield_save
+from controller.dcn import DcnMeter
 from controller.gang import failpoint
 from controller.gangstate import GangState
 from controller.job import (
@@ -86,6 +87,11 @@ if TYPE_CHECKING:
     from controller.gang import Gang
 
 log = logging.getLogger(__name__)
+
+
+# Measure the traffic between slices every this many steps (where it is measured): the
+# steps `slicewise watch` shows routing and traffic on (controller/jobview.py).
+DCN_EVERY = 10
 
 
 class JobRunner:
@@ -841,6 +847,8 @@ class JobRunner:
             self._journal_recoveries(job)
         gang.step_deadline_s = step_deadline(c.options.step_timeout_s, job.slowest_step_s)
         job.compiled_at = job.step  # new workers compile the step program on this one
+        job.step_program_id = step_program.program_id
+        job.dcn_predicted = job.dcn_meter = None  # this start's mesh and workers
         self._move(
             job,
             JobState.RUNNING,
@@ -991,6 +999,74 @@ class JobRunner:
         )
         job.saving.append((step, saved))
 
+    async def _account_dcn(self, job: Job, gang: Gang, step: int, record: StepRecord) -> StepRecord:
+        """DCN accounting as steps are recorded. Once the first step of a start has run
+        (its program is compiled): predicts a step's traffic between slices from the
+        compiled program, and on the simulation takes the baseline of
+        the measurement. Then every `DCN_EVERY` steps, the record carries the measured
+        bytes and TCP segments per step since the previous reading."""
+        if step == job.compiled_at:
+            if job.dcn_predicted is None and job.mesh is not None:
+                # Once per start; the workers go on with the queued steps meanwhile.
+                await self._predict_dcn(job, gang, job.step_program_id)
+            if self.controller.simulated:
+                await self._start_dcn_meter(job, gang, step + 1)
+            return record
+        meter = job.dcn_meter
+        if meter is None or (step + 1) % DCN_EVERY:
+            return record
+        try:
+            sent, segments = await asyncio.to_thread(meter.read)
+        except Exception as exc:  # noqa: BLE001 - a figure, never a reason to stop the job
+            log.warning("job %s: cannot measure DCN traffic: %s", job.job_id, exc)
+            job.dcn_meter = None
+            return record
+        at, was_sent, was_segments = job.dcn_read_at
+        window = step + 1 - at
+        job.dcn_read_at = (step + 1, sent, segments)
+        if window < 1:
+            return record
+        return dataclasses.replace(
+            record,
+            dcn_bytes=(sent - was_sent) / window,
+            dcn_segments=(segments - was_segments) / window,
+            dcn_window=window,
+        )
+
+    async def _start_dcn_meter(self, job: Job, gang: Gang, at: int) -> None:
+        """Starts measuring what the gang's worker processes send between slices (all of
+        them run on this machine), from the reading taken now, after `at` steps."""
+        try:
+            workers = await gang.worker_stats()
+            per_slice = gang.shape.hosts_per_slice
+            meter = DcnMeter({int(w["pid"]): int(w["process_id"]) // per_slice for w in workers})
+            sent, segments = await asyncio.to_thread(meter.read)
+        except Exception as exc:  # noqa: BLE001 - a figure, never a reason to stop the job
+            log.warning("job %s: cannot measure DCN traffic: %s", job.job_id, exc)
+            return
+        job.dcn_meter, job.dcn_read_at = meter, (at, sent, segments)
+
+    async def _predict_dcn(self, job: Job, gang: Gang, program_id: str) -> None:
+        mesh = job.mesh
+        try:
+            text = await gang.compiled_text(program_id)
+            found = await asyncio.to_thread(dcn.collectives, text)
+            traffic = dcn.predict(found, dcn.slices_of_mesh(mesh)) if mesh else None
+        except Exception as exc:  # noqa: BLE001 - a figure, never a reason to stop the job
+            log.warning("job %s: cannot predict its DCN traffic: %s", job.job_id, exc)
+            return
+        if job.step_program_id != program_id or traffic is None:
+            return  # the job moved on to another start meanwhile
+        job.dcn_predicted = traffic
+        kinds = ", ".join(f"{k} {b:,} B in {m}" for k, b, m in traffic.by_kind if m)
+        log.info(
+            "job %s: a step sends %s bytes in %d messages between slices (predicted: %s)",
+            job.job_id,
+            f"{traffic.bytes:,}",
+            traffic.messages,
+            kinds or "none",
+        )
+
     async def _record(
         self, job: Job, step: int, ticket: Any, tokens: int, gang: Gang | None = None
     ) -> None:
@@ -1002,6 +1078,8 @@ class JobRunner:
         measured = step_record(step, ticket.values[0], ticket.ran, tokens, job.stat_shapes)
         if step != job.compiled_at:  # that step's time includes compiling its program
             job.slowest_step_s = max(job.slowest_step_s, measured.step_time_s)
+        if gang is not None:
+            measured = await self._account_dcn(job, gang, step, measured)
         if gang is not None:
             gang.step_deadline_s = step_deadline(
                 self.controller.options.step_timeout_s, job.slowest_step_s

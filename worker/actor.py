@@ -201,6 +201,9 @@ class HostWorker:
     def trace_spans(self, since_us: int = 0) -> list[Span]:
         return self.spans.spans(since_us)
 
+    def compiled_text(self, program_id: str) -> str:
+        return self.runtime.compiled_text(program_id)
+
     def stats(self) -> dict[str, Any]:
         return self.runtime.stats() | {
             "process_id": self.process_id,

@@ -536,6 +536,28 @@ class JaxRuntime:
     def drop_pin(self, pin_id: str) -> None:
         self._pins.pop(pin_id, None)
 
+    def compiled_text(self, program_id: str) -> str:
+        """The HLO text of a loaded program as XLA compiled it for this gang (partitioned:
+        per-device shapes and every collective with its replica groups), for predicting
+        what it sends between slices (controller/dcn.py). Uses the executable the first
+        call compiled when there is one; else compiles one from the program's signature
+        (every process compiles the same module)."""
+        import jax
+
+        program = self._programs.get(program_id)
+        if program is None:
+            raise KeyError(f"program {program_id[:12]} was never loaded on this worker")
+        compiled = program.compiled
+        if compiled is None:
+            specs = [
+                jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s)
+                for a, s in zip(program.exported.in_avals, program.in_shardings, strict=True)
+            ]
+            tree_args, tree_kwargs = jax.tree.unflatten(program.exported.in_tree, specs)
+            with jax.set_mesh(program.mesh):
+                compiled = program.call.trace(*tree_args, **tree_kwargs).lower().compile()
+        return str(compiled.as_text())
+
     def stats(self) -> dict[str, Any]:
         return {
             "arrays": len(self.buffers),

@@ -74,3 +74,15 @@ def test_train_moe_over_two_slices_gives_the_reference_loss_curve(client, contro
     assert all(0.0 < e.local_fraction < 1.0 for s in steps for e in s.experts)
     # The CLI showed the expert load of the last step.
     assert f"{job_id}   moe0 load " in run.stdout, run.stdout[-1500:]
+    # Traffic between slices: predicted from the compiled step, measured every 10 steps
+    # from the first step on (its own traffic includes starting up).
+    assert done.dcn_predicted and done.dcn_bytes_predicted > 0 and done.dcn_messages_predicted > 0
+    measured = [s for s in steps if s.dcn_window]
+    assert [(s.step, s.dcn_window) for s in measured] == [(9, 9), (19, 10)], measured
+    assert all(s.dcn_bytes > 0 and s.dcn_segments > 0 for s in measured)
+    print(
+        f"DCN per step: predicted {done.dcn_bytes_predicted:,.0f} B in "
+        f"{done.dcn_messages_predicted} messages; measured "
+        + ", ".join(f"{s.dcn_bytes:,.0f} B in {s.dcn_segments:.0f} segments" for s in measured)
+    )
+    assert f"{job_id}   dcn measured " in run.stdout, run.stdout[-1500:]

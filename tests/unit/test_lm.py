@@ -260,7 +260,9 @@ def test_axes_must_name_distinct_axes_of_the_mesh(mesh):
 def test_get_program_finds_lm_and_lists_known_programs():
     assert get_program("lm") is PROGRAM
     assert PROGRAM.name == "lm"
-    with pytest.raises(UnknownProgramError, match=r"no training program named 'nope'.*\['lm'\]"):
+    with pytest.raises(
+        UnknownProgramError, match=r"no training program named 'nope'.*\['lm', 'moe'\]"
+    ):
         get_program("nope")
     with pytest.raises(UnknownProgramError, match="'corpus'"):
         get_program("corpus")
