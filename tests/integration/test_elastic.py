@@ -26,7 +26,7 @@ from tests.integration.test_checkpoints import CONFIG, finished, watch_messages
 
 pytestmark = pytest.mark.integration
 
-STEPS, EVERY = 100, 10
+STEPS, EVERY = 70, 10
 ELASTIC_CONFIG = CONFIG | {"total_steps": str(STEPS)}
 
 

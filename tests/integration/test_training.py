@@ -117,7 +117,10 @@ def test_lm_trains_and_a_second_process_watches_live(client, controller):
     # its end, not all the steps once it had ended.
     assert live, "the watcher never showed step 20"
     assert live[0].state == pb.JOB_STATE_RUNNING and live[0].step < 60, live[0]
-    assert lines[-1].startswith(f"{job.job_id} succeeded after 60/60 steps")
+    summary = [ln for ln in lines if ln.startswith(f"{job.job_id} succeeded after ")]
+    assert summary and summary[0].startswith(f"{job.job_id} succeeded after 60/60 steps"), lines
+    # Under it, what crossed the DCN: the gradient all-reduce between the two slices.
+    assert lines[-1].startswith("dcn ") and "measured over" in lines[-1], lines[-3:]
 
 
 def test_detach_kill_the_client_rewatch_then_cancel_frees_the_gang(client, controller):
