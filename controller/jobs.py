@@ -45,7 +45,7 @@ import json
 import logging
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -92,6 +92,34 @@ log = logging.getLogger(__name__)
 # Measure the traffic between slices every this many steps (where it is measured): the
 # steps `slicewise watch` shows routing and traffic on (controller/jobview.py).
 DCN_EVERY = 10
+
+
+def completed_steps(step: int, ahead: Iterable[tuple[int, Any]]) -> int:
+    """How many steps are done: through `step`, and those queued after it (`ahead`, in
+    order, with their tickets) whose completion has arrived, up to the first that has not."""
+    completed = step + 1
+    for _, ticket in ahead:
+        if not ticket.done.done():
+            break
+        completed += 1
+    return completed
+
+
+async def _read_dcn(
+    meter: DcnMeter, step: int, ahead: Iterable[tuple[int, Any]]
+) -> tuple[int, int, int]:
+    """(steps done, bytes, segments) from one reading of `meter`: the steps counted just
+    before and just after the reading agree, or (after three tries) the count after it.
+    A step that completes during the reading would otherwise be counted on one side of
+    the window and its traffic on the other."""
+    ahead = list(ahead)
+    for _ in range(3):
+        before = completed_steps(step, ahead)
+        sent, segments = await asyncio.to_thread(meter.read)
+        after = completed_steps(step, ahead)
+        if before == after:
+            break
+    return after, sent, segments
 
 
 class JobRunner:
@@ -874,7 +902,7 @@ class JobRunner:
             if step in saves and step != start_step and self._can_grow(job, gang):
                 # The save of `step` is queued: once it commits, the job moves.
                 while pending:
-                    await self._record(job, *pending.popleft(), tokens, gang)
+                    await self._record(job, *pending.popleft(), tokens, gang, pending)
                 closed = c.close_checkpoints(gang.gang_id, directory, prefix)
                 error = await closed.done
                 if error:
@@ -901,9 +929,9 @@ class JobRunner:
                 self._save(job, gang, state_handles, step + 1, position, prefix)
             pending.append((step, ticket))
             while len(pending) > c.options.steps_ahead:
-                await self._record(job, *pending.popleft(), tokens, gang)
+                await self._record(job, *pending.popleft(), tokens, gang, pending)
         while pending:
-            await self._record(job, *pending.popleft(), tokens, gang)
+            await self._record(job, *pending.popleft(), tokens, gang, pending)
         if saves or start is not None:
             closed = c.close_checkpoints(gang.gang_id, directory, prefix)
             error = await closed.done
@@ -955,7 +983,7 @@ class JobRunner:
 
         async def finish() -> None:
             while pending:
-                await self._record(job, *pending.popleft(), tokens, gang)
+                await self._record(job, *pending.popleft(), tokens, gang, pending)
             closed = c.close_checkpoints(gang.gang_id, directory, prefix)
             error = await closed.done
             if error:
@@ -999,31 +1027,43 @@ class JobRunner:
         )
         job.saving.append((step, saved))
 
-    async def _account_dcn(self, job: Job, gang: Gang, step: int, record: StepRecord) -> StepRecord:
+    async def _account_dcn(
+        self,
+        job: Job,
+        gang: Gang,
+        step: int,
+        record: StepRecord,
+        ahead: Iterable[tuple[int, Any]],
+    ) -> StepRecord:
         """DCN accounting as steps are recorded. Once the first step of a start has run
         (its program is compiled): predicts a step's traffic between slices from the
-        compiled program, and on the simulation takes the baseline of
-        the measurement. Then every `DCN_EVERY` steps, the record carries the measured
-        bytes and TCP segments per step since the previous reading."""
+        compiled program, and on the simulation takes the baseline of the measurement.
+        Then every `DCN_EVERY` steps, the record carries the measured bytes and TCP
+        segments per step since the previous reading.
+
+        A reading counts the steps the workers have completed when it is taken (see
+        `_read_dcn`): the workers run ahead of what is recorded, and dividing by the
+        recorded steps would credit the traffic of steps done early to the window before,
+        and leave the last window short."""
         if step == job.compiled_at:
             if job.dcn_predicted is None and job.mesh is not None:
                 # Once per start; the workers go on with the queued steps meanwhile.
                 await self._predict_dcn(job, gang, job.step_program_id)
             if self.controller.simulated:
-                await self._start_dcn_meter(job, gang, step + 1)
+                await self._start_dcn_meter(job, gang, step, ahead)
             return record
         meter = job.dcn_meter
         if meter is None or (step + 1) % DCN_EVERY:
             return record
         try:
-            sent, segments = await asyncio.to_thread(meter.read)
+            completed, sent, segments = await _read_dcn(meter, step, ahead)
         except Exception as exc:  # noqa: BLE001 - a figure, never a reason to stop the job
             log.warning("job %s: cannot measure DCN traffic: %s", job.job_id, exc)
             job.dcn_meter = None
             return record
         at, was_sent, was_segments = job.dcn_read_at
-        window = step + 1 - at
-        job.dcn_read_at = (step + 1, sent, segments)
+        window = completed - at
+        job.dcn_read_at = (completed, sent, segments)
         if window < 1:
             return record
         return dataclasses.replace(
@@ -1033,18 +1073,20 @@ class JobRunner:
             dcn_window=window,
         )
 
-    async def _start_dcn_meter(self, job: Job, gang: Gang, at: int) -> None:
+    async def _start_dcn_meter(
+        self, job: Job, gang: Gang, step: int, ahead: Iterable[tuple[int, Any]]
+    ) -> None:
         """Starts measuring what the gang's worker processes send between slices (all of
-        them run on this machine), from the reading taken now, after `at` steps."""
+        them run on this machine), from a reading taken now, once `step` is done."""
         try:
             workers = await gang.worker_stats()
             per_slice = gang.shape.hosts_per_slice
             meter = DcnMeter({int(w["pid"]): int(w["process_id"]) // per_slice for w in workers})
-            sent, segments = await asyncio.to_thread(meter.read)
+            completed, sent, segments = await _read_dcn(meter, step, ahead)
         except Exception as exc:  # noqa: BLE001 - a figure, never a reason to stop the job
             log.warning("job %s: cannot measure DCN traffic: %s", job.job_id, exc)
             return
-        job.dcn_meter, job.dcn_read_at = meter, (at, sent, segments)
+        job.dcn_meter, job.dcn_read_at = meter, (completed, sent, segments)
 
     async def _predict_dcn(self, job: Job, gang: Gang, program_id: str) -> None:
         mesh = job.mesh
@@ -1068,10 +1110,17 @@ class JobRunner:
         )
 
     async def _record(
-        self, job: Job, step: int, ticket: Any, tokens: int, gang: Gang | None = None
+        self,
+        job: Job,
+        step: int,
+        ticket: Any,
+        tokens: int,
+        gang: Gang | None = None,
+        ahead: Iterable[tuple[int, Any]] = (),
     ) -> None:
         """Records a step once it is done; with the gang it ran on, also moves the gang's
-        step deadline and fires the faults waiting for the step."""
+        step deadline, fires the faults waiting for the step and accounts its DCN traffic
+        (`ahead`: the steps queued after it, with their tickets)."""
         error = await ticket.done
         if error:
             raise FailedPreconditionError(f"step {step} failed: {error}")
@@ -1079,7 +1128,7 @@ class JobRunner:
         if step != job.compiled_at:  # that step's time includes compiling its program
             job.slowest_step_s = max(job.slowest_step_s, measured.step_time_s)
         if gang is not None:
-            measured = await self._account_dcn(job, gang, step, measured)
+            measured = await self._account_dcn(job, gang, step, measured, ahead)
         if gang is not None:
             gang.step_deadline_s = step_deadline(
                 self.controller.options.step_timeout_s, job.slowest_step_s

@@ -361,3 +361,16 @@ def test_a_job_preempted_past_its_budget_fails_saying_so():
 def test_a_negative_preemption_budget_is_refused():
     with pytest.raises(InvalidRequestError, match="max_preemptions must be >= 0"):
         spec(max_preemptions=-1)
+
+
+def test_steps_done_count_the_completed_ones_queued_behind_the_recorded_step():
+    from controller.jobs import completed_steps
+
+    class Ticket:
+        def __init__(self, done: bool):
+            self.done = type("F", (), {"done": lambda _self, d=done: d})()
+
+    assert completed_steps(9, []) == 10
+    ahead = [(10, Ticket(True)), (11, Ticket(True)), (12, Ticket(False)), (13, Ticket(True))]
+    # Up to the first step not done: a later one done out of order does not count yet.
+    assert completed_steps(9, ahead) == 12
