@@ -1,5 +1,5 @@
 """`slicewise bench [NAME ...]`: run benchmarks side by side with their baselines and
-write results/<name>.json and results/<name>.png."""
+write results/<module>.json and results/<module>.png."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ BENCHMARKS = {
     "train_overhead": "benchmarks.train_overhead",
     "checkpoint": "benchmarks.checkpoint",
     "recovery": "benchmarks.recovery",
+    "moe": "benchmarks.moe_dispatch",
 }
 
 
@@ -47,7 +48,10 @@ def main(argv: list[str] | None = None) -> int:
             failed.append(name)
             continue
         result["seconds"] = round(time.monotonic() - started, 1)
-        json_path, png_path = write_result(name, result, getattr(module, "plot", None))
+        # Results are named for the module: `moe` writes results/moe_dispatch.*.
+        json_path, png_path = write_result(
+            BENCHMARKS[name].rsplit(".", 1)[-1], result, getattr(module, "plot", None)
+        )
         print(module.report(result) if hasattr(module, "report") else "", flush=True)
         print(
             f"   wrote {json_path}"
