@@ -170,7 +170,10 @@ def _follow_plain(events: Iterable[pb.JobEvent], out: TextIO) -> pb.JobInfo:
     for event in events:
         job = event.job
         if event.message and (event.message != "attached" or job.state != last_state):
-            print(f"{job.job_id} {state_name(job.state)}: {event.message}", file=out, flush=True)
+            state = state_name(job.state)
+            # A move to a state with nothing more to say names the state once ("j1 succeeded").
+            said = "" if event.message == state else f": {event.message}"
+            print(f"{job.job_id} {state}{said}", file=out, flush=True)
         last_state = job.state
         for s in event.steps:
             print(step_line(job.job_id, job.steps, s), file=out, flush=True)

@@ -118,7 +118,7 @@ def test_plain_follow_prints_each_step_and_state_change():
     assert lines == [
         "j2 running: attached",
         "j2 step 1/3 loss 5.0000 10 tok/s 500 ms/step",
-        "j2 succeeded: succeeded",
+        "j2 succeeded",
     ]
     assert step_line("j2", 3, pb.StepMetrics(step=2, loss=1.5)).startswith("j2 step 3/3")
     steps = [pb.StepMetrics(loss=5.0, tokens_per_s=10), pb.StepMetrics(loss=2.0, tokens_per_s=30)]
