@@ -114,9 +114,8 @@ def compiled_traffic(
     from jax.sharding import Mesh
 
     from controller import dcn
-    from controller.job import DATA_AXIS, EXPERT_AXIS, FSDP_AXIS, TENSOR_AXIS
-    from controller.jobs import _export
-    from programs.base import ParallelAxes, get_program, make_flat_train_fns
+    from controller.jobs import _export, training_axes
+    from programs.base import get_program, make_flat_train_fns
     from programs.moe.model import expert_parallelism
     from programs.moe.sharded import predict_dcn_traffic
     from slicewise.common.mesh import GangShape, MeshAxis, MeshSpec
@@ -127,16 +126,7 @@ def compiled_traffic(
     devices = np.array(jax.devices(), dtype=object)[grid]
     concrete = Mesh(devices, spec.names)
     abstract = spec.abstract()
-    names = spec.names
-    # The axes as the job runner binds them (controller/jobs.py `_train_on`).
-    axes = ParallelAxes.for_mesh(
-        abstract,
-        data=tuple(n for n in names if n == DATA_AXIS),
-        fsdp=FSDP_AXIS if FSDP_AXIS in names else None,
-        tensor=TENSOR_AXIS if TENSOR_AXIS in names else None,
-        expert=EXPERT_AXIS if EXPERT_AXIS in names else None,
-        dcn={a.name: a.dcn for a in spec.axes},
-    )
+    axes = training_axes(spec)  # as the job runner binds them
     program = get_program("moe")
     slice_of = dcn.slices_of_mesh(spec)
     out = {}

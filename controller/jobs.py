@@ -79,12 +79,13 @@ from slicewise.common.errors import (
     NotFoundError,
     ShuttingDownError,
 )
-from slicewise.common.mesh import ShardingSpec
+from slicewise.common.mesh import MeshSpec, ShardingSpec
 from slicewise.common.topology import slice_type as lookup_slice_type
 
 if TYPE_CHECKING:
     from controller.core import Controller
     from controller.gang import Gang
+    from programs.base import ParallelAxes
 
 log = logging.getLogger(__name__)
 
@@ -92,6 +93,22 @@ log = logging.getLogger(__name__)
 # Measure the traffic between slices every this many steps (where it is measured): the
 # steps `slicewise watch` shows routing and traffic on (controller/jobview.py).
 DCN_EVERY = 10
+
+
+def training_axes(mesh: MeshSpec) -> ParallelAxes:
+    """The parallelism of a job's mesh: each axis's role by its name (`MESH_ROLES`), bound
+    to the mesh's sizes, with the slices each axis spans."""
+    from programs.base import ParallelAxes
+
+    names = mesh.names
+    return ParallelAxes.for_mesh(
+        mesh.abstract(),
+        data=tuple(n for n in names if n == DATA_AXIS),
+        fsdp=FSDP_AXIS if FSDP_AXIS in names else None,
+        tensor=TENSOR_AXIS if TENSOR_AXIS in names else None,
+        expert=EXPERT_AXIS if EXPERT_AXIS in names else None,
+        dcn={a.name: a.dcn for a in mesh.axes},
+    )
 
 
 def completed_steps(step: int, ahead: Iterable[tuple[int, Any]]) -> int:
@@ -757,7 +774,7 @@ class JobRunner:
     async def _train_on(self, job: Job, gang: Gang) -> bool:
         import jax
 
-        from programs.base import ParallelAxes, get_program, make_flat_train_fns
+        from programs.base import get_program, make_flat_train_fns
 
         c = self.controller
         spec = job.spec
@@ -765,15 +782,7 @@ class JobRunner:
         config = program.make_config(dict(spec.overrides))
         mesh = job.mesh = spec.mesh_for(gang.shape)
         abstract = mesh.abstract()
-        names = mesh.names
-        axes = ParallelAxes.for_mesh(
-            abstract,
-            data=tuple(n for n in names if n == DATA_AXIS),
-            fsdp=FSDP_AXIS if FSDP_AXIS in names else None,
-            tensor=TENSOR_AXIS if TENSOR_AXIS in names else None,
-            expert=EXPERT_AXIS if EXPERT_AXIS in names else None,
-            dcn={a.name: a.dcn for a in mesh.axes},
-        )
+        axes = training_axes(mesh)
         exported = await asyncio.to_thread(
             _export, make_flat_train_fns, program, config, abstract, axes, gang.platform
         )
