@@ -33,21 +33,8 @@ def init_params(config: LMConfig, key: jax.Array) -> Params:
     The price is that the draw is as large as the model on every device before it is
     sharded, which is nothing at this program's sizes.
     """
-    d, h, k, f, n = (config.d_model, config.n_heads, config.head_dim, config.d_ff, config.n_layers)
-    # Residual-branch outputs shrink with depth so the stream's scale stays ~1 at init.
-    out_std = (2 * n) ** -0.5
-    normals = {
-        "embed": ((VOCAB_SIZE, d), 1.0),
-        "pos": ((config.seq_len, d), 0.1),
-        "wq": ((n, d, h, k), d**-0.5),
-        "wk": ((n, d, h, k), d**-0.5),
-        "wv": ((n, d, h, k), d**-0.5),
-        "wo": ((n, h, k, d), out_std * d**-0.5),
-        "w_in": ((n, d, f), d**-0.5),
-        "w_out": ((n, f, d), out_std * f**-0.5),
-        "unembed": ((d, VOCAB_SIZE), 0.02),
-    }
-    w = draw_normals(key, normals)
+    d, n = config.d_model, config.n_layers
+    w = draw_normals(key, normals(config, mlp_layers=n))
     return {
         "embed": w["embed"],
         "pos": w["pos"],
@@ -63,6 +50,25 @@ def init_params(config: LMConfig, key: jax.Array) -> Params:
         },
         "final_norm": jnp.ones((d,), jnp.float32),
         "unembed": w["unembed"],
+    }
+
+
+def normals(config: LMConfig, mlp_layers: int) -> dict[str, tuple[tuple[int, ...], float]]:
+    """(shape, std) of every normal weight of the model, in draw order: embeddings,
+    attention stacked over all layers, MLPs stacked over `mlp_layers`, output projection.
+    Residual-branch outputs shrink with depth so the stream's scale stays ~1 at init."""
+    d, h, k, f, n = (config.d_model, config.n_heads, config.head_dim, config.d_ff, config.n_layers)
+    out_std = (2 * n) ** -0.5
+    return {
+        "embed": ((VOCAB_SIZE, d), 1.0),
+        "pos": ((config.seq_len, d), 0.1),
+        "wq": ((n, d, h, k), d**-0.5),
+        "wk": ((n, d, h, k), d**-0.5),
+        "wv": ((n, d, h, k), d**-0.5),
+        "wo": ((n, h, k, d), out_std * d**-0.5),
+        "w_in": ((mlp_layers, d, f), d**-0.5),
+        "w_out": ((mlp_layers, f, d), out_std * f**-0.5),
+        "unembed": ((d, VOCAB_SIZE), 0.02),
     }
 
 

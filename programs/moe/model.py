@@ -19,7 +19,6 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from programs.base import ConfigError, ParallelAxes
-from programs.corpus import VOCAB_SIZE
 from programs.lm import model as lm
 from programs.moe.config import MoEConfig
 from programs.moe.layer import moe_layer
@@ -34,22 +33,19 @@ STATS = ("dropped_fraction", "local_fraction", "tokens_per_expert")
 
 def init_params(config: MoEConfig, key: jax.Array) -> Params:
     """Fresh float32 parameters, scaled as the `lm` model's; experts like its MLPs."""
-    d, h, k, f, n = (config.d_model, config.n_heads, config.head_dim, config.d_ff, config.n_layers)
+    d, n = config.d_model, config.n_layers
     e, x, m = config.n_experts, config.d_expert, config.n_moe_layers
     out_std = (2 * n) ** -0.5
+    # The lm model's weights (MLPs for the layers without experts), the experts drawn
+    # just before the output projection.
+    shared = lm.normals(config, mlp_layers=n - m)
+    unembed = shared.pop("unembed")
     normals = {
-        "embed": ((VOCAB_SIZE, d), 1.0),
-        "pos": ((config.seq_len, d), 0.1),
-        "wq": ((n, d, h, k), d**-0.5),
-        "wk": ((n, d, h, k), d**-0.5),
-        "wv": ((n, d, h, k), d**-0.5),
-        "wo": ((n, h, k, d), out_std * d**-0.5),
-        "w_in": ((n - m, d, f), d**-0.5),
-        "w_out": ((n - m, f, d), out_std * f**-0.5),
+        **shared,
         "router": ((m, d, e), d**-0.5),
         "w1": ((m, e, d, x), d**-0.5),
         "w2": ((m, e, x, d), out_std * x**-0.5),
-        "unembed": ((d, VOCAB_SIZE), 0.02),
+        "unembed": unembed,
     }
     w = lm.draw_normals(key, normals)
     params: Params = {
