@@ -210,14 +210,19 @@ def test_detach_kill_the_client_rewatch_then_cancel_frees_the_gang(client, contr
     assert cancel.returncode == 0, cancel.stderr
     final = wait_for(client, job_id, timeout=120)
     assert final.state == pb.JOB_STATE_CANCELLED
+
+    # The gang leaves the gang list as its release begins, and frees its slices once its
+    # workers have stopped: wait for both.
+    def released():
+        info = client.cluster_info()
+        return all(g.gang_id != gang_id for g in info.gangs) and all(
+            s.holder_gang != gang_id for s in info.slices
+        )
+
     wait_until(
-        lambda: all(g.gang_id != gang_id for g in client.cluster_info().gangs),
-        timeout_s=60,
-        interval_s=0.5,
-        what="the cancelled job's gang to be released",
+        released, timeout_s=60, interval_s=0.5, what="the cancelled job's gang to be released"
     )
     assert wait_for(client, short_id).state == pb.JOB_STATE_SUCCEEDED
-    assert all(s.holder_gang != gang_id for s in client.cluster_info().slices)
 
 
 def test_a_job_on_a_gang_the_client_holds_leaves_it_held(client):
