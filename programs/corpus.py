@@ -44,22 +44,51 @@ class Corpus:
     files: tuple[str, ...]
     data: np.ndarray
     fingerprint: str
+    # Where each file's bytes begin in `data`, then len(data) + 1: as if a separator
+    # followed the last file too, so that every file's size is the difference less one.
+    bounds: tuple[int, ...] = ()
 
     def __len__(self) -> int:
         return int(self.data.shape[0])
 
-    def sequence_starts(self, seed: int, step: int, count: int, length: int) -> np.ndarray:
+    def sequence_starts(
+        self, seed: int, step: int, count: int, length: int, *, per_file: bool = False
+    ) -> np.ndarray:
         """The start offsets of the `count` sequences of `length` bytes of batch `step`.
 
-        Every host computes all of them (a few integers) and reads only its own rows.
+        Every host computes all of them (a few integers) and reads only its own rows. With
+        `per_file`, the rows are cut into one block per file, in file order (row r of F
+        files reads file `r * F // count`), and each row is a window inside its file: a data
+        mixture with a fixed quota per file, and, since the batch splits over the devices
+        by rows, each data-parallel block of devices sees its own files.
+
+        Raises:
+            CorpusError: the corpus (or, per file, one of its files) is shorter than
+                `length`, or there are more files than rows.
         """
-        if length > len(self):
-            raise CorpusError(
-                f"corpus {self.spec!r} has {len(self)} bytes, fewer than one sequence of "
-                f"{length}; use a shorter seq_len or a larger corpus"
-            )
         rng = np.random.default_rng([seed, step])
-        return rng.integers(0, len(self) - length + 1, size=count, dtype=np.int64)
+        if not per_file:
+            self._check_length(len(self), length, f"corpus {self.spec!r}")
+            return rng.integers(0, len(self) - length + 1, size=count, dtype=np.int64)
+        files = len(self.files)
+        if files > count:
+            raise CorpusError(
+                f"corpus {self.spec!r} has {files} files but a batch has {count} rows; "
+                "per-file batches need at least one row per file"
+            )
+        which = np.arange(count) * files // count
+        lo = np.asarray(self.bounds[:-1], np.int64)[which]
+        sizes = np.diff(np.asarray(self.bounds, np.int64)) - 1  # less the separator
+        for f in np.unique(which):
+            self._check_length(int(sizes[f]), length, f"corpus file {self.files[f]!r}")
+        return lo + rng.integers(0, sizes[which] - length + 1, dtype=np.int64)
+
+    def _check_length(self, size: int, length: int, what: str) -> None:
+        if length > size:
+            raise CorpusError(
+                f"{what} has {size} bytes, fewer than one sequence of {length}; use a "
+                "shorter seq_len or a larger corpus"
+            )
 
     def read(self, starts: np.ndarray, length: int) -> np.ndarray:
         """The `length` bytes at each start offset, as an int32 array [len(starts), length]."""
@@ -110,4 +139,7 @@ def load_corpus(spec: str = STDLIB) -> Corpus:
     data = np.frombuffer(joined, np.uint8)
     # Content, not paths: hosts whose install prefixes differ still agree iff the bytes do.
     fingerprint = hashlib.sha256(joined).hexdigest()
-    return Corpus(spec, tuple(str(p) for p in files), data, fingerprint)
+    bounds = np.cumsum([0] + [len(c) + 1 for c in chunks])  # each file and its separator
+    return Corpus(
+        spec, tuple(str(p) for p in files), data, fingerprint, tuple(int(b) for b in bounds)
+    )

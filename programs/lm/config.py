@@ -44,6 +44,10 @@ class LMConfig:
     grad_clip: float = 1.0
     seed: int = 0
     corpus: str = STDLIB
+    # Each batch gives every corpus file the same block of rows, in file order (see
+    # `Corpus.sequence_starts`): per-domain quotas, and per-slice domains when the batch
+    # splits over slices.
+    per_file_rows: bool = False
 
     def __post_init__(self) -> None:
         for name in (

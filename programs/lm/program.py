@@ -68,7 +68,9 @@ class LMProgram(TrainingProgram[LMConfig]):
         lo, hi = host_rows(config.batch_size, host_index, num_hosts)
         corpus = load_corpus(config.corpus)
         length = config.seq_len + 1
-        starts = corpus.sequence_starts(config.seed, step, config.batch_size, length)
+        starts = corpus.sequence_starts(
+            config.seed, step, config.batch_size, length, per_file=config.per_file_rows
+        )
         return {"tokens": corpus.read(starts[lo:hi], length)}
 
     def data_fingerprint(self, config: LMConfig) -> str:

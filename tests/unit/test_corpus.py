@@ -65,3 +65,20 @@ def test_sampling_is_deterministic_and_reads_windows(tmp_path):
 def test_a_glob_that_matches_nothing_is_refused(tmp_path):
     with pytest.raises(CorpusError, match="matched no files"):
         load_corpus(str(tmp_path / "*.nothing"))
+
+
+def test_per_file_batches_give_each_file_its_block_of_rows(tmp_path):
+    (tmp_path / "a.txt").write_bytes(b"a" * 50)
+    (tmp_path / "b.txt").write_bytes(b"b" * 20)
+    (tmp_path / "c.txt").write_bytes(b"c" * 30)
+    corpus = load_corpus(str(tmp_path / "*.txt"))
+    starts = corpus.sequence_starts(seed=1, step=2, count=6, length=20, per_file=True)
+    np.testing.assert_array_equal(starts, corpus.sequence_starts(1, 2, 6, 20, per_file=True))
+    rows = corpus.read(starts, 20)
+    # Rows 0-1 read a.txt, 2-3 b.txt (exactly its 20 bytes), 4-5 c.txt: never a separator.
+    assert [bytes(set(r.tolist())) for r in rows] == [b"a", b"a", b"b", b"b", b"c", b"c"]
+    assert starts[2] == starts[3] == 51  # b.txt's only window
+    with pytest.raises(CorpusError, match=r"b.txt' has 20 bytes, fewer than one sequence of 21"):
+        corpus.sequence_starts(0, 0, 6, 21, per_file=True)
+    with pytest.raises(CorpusError, match="3 files but a batch has 2 rows"):
+        corpus.sequence_starts(0, 0, 2, 5, per_file=True)
