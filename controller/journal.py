@@ -89,12 +89,15 @@ class ExpertLoad:
         dropped_fraction: the choices dropped for capacity over all choices made.
         local_fraction: of the served choices, the share whose expert sits on the token's
             own slice (1.0 when the experts do not span slices); the rest crossed DCN.
+        tokens_by_slice: `tokens_per_expert` split by the slice that holds the token, one
+            row per slice (what load-aware placement decides from); () if not reported.
     """
 
     layer: int
     tokens_per_expert: tuple[int, ...]
     dropped_fraction: float
     local_fraction: float
+    tokens_by_slice: tuple[tuple[int, ...], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -124,14 +127,17 @@ class StepRecord:
 
 def _experts_json(experts: Iterable[ExpertLoad]) -> str:
     """The `experts` column: a compact JSON list with one
-    `[layer, [tokens per expert...], dropped_fraction, local_fraction]` per layer, e.g.
-    `[[0,[12,30,7,0],0.021,0.63]]`. The casts take NumPy scalars, which json cannot."""
+    `[layer, [tokens per expert...], dropped_fraction, local_fraction, [[by slice...]...]]`
+    per layer, e.g. `[[0,[12,30,7,0],0.021,0.63,[[10,20,0,0],[2,10,7,0]]]]` (rows written
+    before the per-slice split have four entries). The casts take NumPy scalars, which json
+    cannot."""
     rows = [
         [
             int(e.layer),
             [int(n) for n in e.tokens_per_expert],
             float(e.dropped_fraction),
             float(e.local_fraction),
+            [[int(n) for n in row] for row in e.tokens_by_slice],
         ]
         for e in experts
     ]
@@ -140,8 +146,14 @@ def _experts_json(experts: Iterable[ExpertLoad]) -> str:
 
 def _experts_from_json(text: str) -> tuple[ExpertLoad, ...]:
     return tuple(
-        ExpertLoad(int(layer), tuple(int(n) for n in tokens), float(dropped), float(local))
-        for layer, tokens, dropped, local in json.loads(text)
+        ExpertLoad(
+            int(layer),
+            tuple(int(n) for n in tokens),
+            float(dropped),
+            float(local),
+            tuple(tuple(int(n) for n in row) for row in (by_slice[0] if by_slice else ())),
+        )
+        for layer, tokens, dropped, local, *by_slice in json.loads(text)
     )
 
 

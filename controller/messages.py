@@ -44,6 +44,7 @@ def step_to_pb(record: StepRecord) -> pb.StepMetrics:
                 tokens_per_expert=e.tokens_per_expert,
                 dropped_fraction=e.dropped_fraction,
                 local_fraction=e.local_fraction,
+                tokens_by_slice=[n for row in e.tokens_by_slice for n in row],
             )
             for e in record.experts
         ],

@@ -39,7 +39,7 @@ def test_a_state_dir_is_taken_by_one_controller_at_a_time(tmp_path, caplog):
 
 
 ROUTED = (
-    ExpertLoad(0, (12, 30, 7, 0), 0.021, 0.63),
+    ExpertLoad(0, (12, 30, 7, 0), 0.021, 0.63, ((10, 20, 0, 0), (2, 10, 7, 0))),
     ExpertLoad(1, (10, 10, 10, 10), 0.0, 1.0),
 )
 
@@ -67,7 +67,20 @@ def test_the_journal_keeps_each_steps_moe_routing(tmp_path):
     raw = sqlite3.connect(tmp_path / "j.sqlite").execute(
         "SELECT experts FROM step_metrics WHERE step = 0"
     )
-    assert raw.fetchone()[0] == "[[0,[12,30,7,0],0.021,0.63],[1,[10,10,10,10],0.0,1.0]]"
+    assert raw.fetchone()[0] == (
+        "[[0,[12,30,7,0],0.021,0.63,[[10,20,0,0],[2,10,7,0]]],[1,[10,10,10,10],0.0,1.0,[]]]"
+    )
+
+
+def test_routing_journalled_before_the_per_slice_split_still_reads(tmp_path):
+    journal = Journal(tmp_path / "j.sqlite")
+    journal.add_steps("j1", [StepRecord(0, 5.5, 1.0, 1e-3, 0.2, 5000.0, 100.5, ROUTED)])
+    journal.close()
+    with sqlite3.connect(tmp_path / "j.sqlite") as db:  # as an older controller wrote it
+        db.execute("UPDATE step_metrics SET experts = '[[0,[3,5],0.5,1.0]]'")
+    assert Journal(tmp_path / "j.sqlite").steps("j1")[0].experts == (
+        ExpertLoad(0, (3, 5), 0.5, 1.0),
+    )
 
 
 OLD_STEPS = """
