@@ -68,7 +68,13 @@ def one_device(inputs):
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize(
     "mesh_name,strategy",
-    [("e2x4", "flat"), ("e2x4", "hierarchical"), ("d2.e2x2", "flat"), ("d2.e2x2", "hierarchical")],
+    [
+        ("e2x4", "flat"),
+        ("e2x4", "hierarchical"),
+        ("e2x4", "packed"),
+        ("d2.e2x2", "flat"),
+        ("d2.e2x2", "hierarchical"),
+    ],
 )
 def test_experts_split_across_two_slices_equal_one_device(
     two_slices, inputs, one_device, mesh_name, strategy
@@ -77,7 +83,8 @@ def test_experts_split_across_two_slices_equal_one_device(
     assert (gang.num_slices, gang.hosts_per_slice, gang.chips_per_host) == (2, 1, 4)
     dcn, ici, data_axes = MESHES[mesh_name]
     mesh = gang.mesh(dcn=dcn, ici=ici)
-    ep = ExpertParallelism(EXPERT_AXES, data_axes, strategy)
+    # Chunks of 3 rows: the packed exchange loops over several trips and pads the last.
+    ep = ExpertParallelism(EXPERT_AXES, data_axes, strategy, expert_slices=2, chunk=3)
     params, x, r = inputs
 
     experts = mesh.sharding(EXPERT_AXES, None, None)
@@ -100,7 +107,8 @@ def test_experts_split_across_two_slices_equal_one_device(
         mesh.spec, ep, CFG, tokens=TOKENS, d_model=D, num_experts=NUM_EXPERTS
     )
     assert predicted.bytes > 0
-    assert program_dcn_traffic(mesh.spec, program.exported.mlir_module()) == DcnTraffic(
+    # (Packed sends a routing-dependent number of chunks: its prediction is a bound.)
+    assert strategy == "packed" or program_dcn_traffic(mesh.spec, program.exported.mlir_module()) == DcnTraffic(
         2 * predicted.bytes, 2 * predicted.messages
     )
 

@@ -1,10 +1,12 @@
 """`programs.moe.sharded` on 8 CPU devices in one process, against the unsharded layer.
 
 Each mesh is laid out as a gang of slices would be (`MeshSpec.device_grid`), so that axes
-meant as DCN really are the slice-major ones. Both strategies must give what `moe_layer`
+meant as DCN really are the slice-major ones. Every strategy must give what `moe_layer`
 gives on one device: outputs, every stat, and the gradients of a loss that uses them all,
 with the tolerances of `test_moe_layer` (rtol 1e-5, atol 1e-6 of the array's scale). Routing
-decisions are compared exactly through `tokens_per_expert` and `dropped_fraction`.
+decisions are compared exactly through `tokens_per_expert` and `dropped_fraction`, and per
+slice through `tokens_by_slice` against the unsharded layer on each slice's tokens.
+"packed" is also checked to move fewer rows between slices when routing stays local.
 
 The DCN traffic prediction is checked against numbers worked out by hand, and against the
 all-to-alls of the lowered program: their replica groups and piece shapes, with each
@@ -27,7 +29,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from programs.base import ConfigError
-from programs.moe.layer import MoELayerConfig, moe_layer
+from programs.moe.layer import MoELayerConfig, expert_capacity, moe_layer, route
 from programs.moe.sharded import (
     DcnTraffic,
     ExpertParallelism,
@@ -41,6 +43,9 @@ from tests.unit.test_moe_layer import D, assert_close, make_inputs
 jit = functools.partial(jax.jit, compiler_options={"xla_backend_optimization_level": 0})
 TOKENS = 64
 HIER = ("expert_dcn", "expert_ici")
+# Rows per DCN chunk of "packed": a divisor of no block's rows here, so that the exchange
+# takes several trips and pads its last chunk.
+CHUNK = 3
 
 
 class Layout(NamedTuple):
@@ -56,8 +61,11 @@ class Layout(NamedTuple):
         devices = np.array(jax.devices()[: self.gang.num_devices], dtype=object)[grid]
         return Mesh(devices, self.spec.names)
 
-    def ep(self, strategy: str) -> ExpertParallelism:
-        return ExpertParallelism(self.expert_axes, self.data_axes, strategy)
+    def ep(self, strategy: str, chunk: int = CHUNK) -> ExpertParallelism:
+        # Every layout's expert group spans two slices.
+        return ExpertParallelism(
+            self.expert_axes, self.data_axes, strategy, expert_slices=2, chunk=chunk
+        )
 
 
 LAYOUTS = {
@@ -108,6 +116,9 @@ def check_against_unsharded(layout: Layout, strategy: str, cfg: MoELayerConfig, 
     assert y.sharding.is_equivalent_to(NamedSharding(mesh, P(ep.token_axes, None)), 2)
     assert_close(y, ref_y, "y")
     np.testing.assert_array_equal(stats["tokens_per_expert"], ref_stats["tokens_per_expert"])
+    np.testing.assert_array_equal(
+        np.sum(stats["tokens_by_slice"], axis=0), ref_stats["tokens_per_expert"]
+    )
     assert float(stats["dropped_fraction"]) == float(ref_stats["dropped_fraction"])
     assert_close(stats["aux_loss"], ref_stats["aux_loss"], "aux_loss")
     assert_close(stats["z_loss"], ref_stats["z_loss"], "z_loss")
@@ -120,8 +131,15 @@ def check_against_unsharded(layout: Layout, strategy: str, cfg: MoELayerConfig, 
 # Each case compiles two programs; the unsharded layer's own grid (test_moe_layer.py)
 # covers every k and capacity factor, so this one keeps the cases that differ in what
 # crosses devices: drops with k = 1 and 2, a partly used capacity, and dropless.
-@pytest.mark.parametrize("k,capacity_factor", [(1, 1.0), (2, 1.0), (2, 1.25), (1, None)])
-@pytest.mark.parametrize("strategy", ["flat", "hierarchical"])
+ROUTINGS = [(1, 1.0), (2, 1.0), (2, 1.25), (1, None)]  # (k, capacity_factor)
+
+
+# Packed is hierarchical with another DCN hop: it runs with drops and dropless, not all four.
+@pytest.mark.parametrize(
+    "strategy,k,capacity_factor",
+    [(s, k, cf) for s in ("flat", "hierarchical") for k, cf in ROUTINGS]
+    + [("packed", 2, 1.0), ("packed", 1, None)],
+)
 def test_experts_over_two_slices_of_four_chips_equal_the_unsharded_layer(
     strategy, k, capacity_factor
 ):
@@ -151,6 +169,13 @@ def test_other_meshes_equal_the_unsharded_layer(
     check_against_unsharded(LAYOUTS[name], strategy, cfg, num_experts)
 
 
+@pytest.mark.parametrize("name", ["e2x2", "d2.e2x2"])
+def test_packed_on_other_meshes_equals_the_unsharded_layer(name):
+    # Several experts and groups per device, and data parallelism beside the experts.
+    cfg = MoELayerConfig(k=2, capacity_factor=1.25, group_size=4)
+    check_against_unsharded(LAYOUTS[name], "packed", cfg, num_experts=8)
+
+
 @pytest.mark.parametrize("k,capacity_factor", [(2, 1.0), (1, None)])
 def test_flat_over_one_hybrid_axis_equals_the_unsharded_layer(k, capacity_factor):
     cfg = MoELayerConfig(k=k, capacity_factor=capacity_factor, group_size=8)
@@ -172,6 +197,88 @@ def test_renormalize_off_and_bfloat16_experts_match_unsharded():
     np.testing.assert_allclose(y, ref_y, rtol=1e-2, atol=1e-2)
 
 
+# -- routing per slice, and what packed sends ------------------------------------------------
+
+
+@pytest.mark.parametrize("strategy", ["hierarchical", "packed"])
+def test_tokens_by_slice_are_the_unsharded_layer_on_each_slices_tokens(strategy):
+    # e2x4 with no data axes: tokens split over (expert_dcn, expert_ici) major-first, so
+    # slice 0 holds tokens [0, 32) and slice 1 [32, 64), four whole groups of 8 each.
+    cfg = MoELayerConfig(k=2, capacity_factor=1.0, group_size=8)
+    params, x, _ = make_inputs(seed=5, tokens=TOKENS, num_experts=8)
+    mesh, ep = LAYOUTS["e2x4"].mesh(), LAYOUTS["e2x4"].ep(strategy)
+    _, stats = jit(lambda p, x: sharded_moe_layer(p, x, cfg, mesh, ep))(params, x)
+    by_slice = np.asarray(stats["tokens_by_slice"])
+    assert by_slice.shape == (2, 8) and by_slice.dtype == np.int32
+    half = TOKENS // 2
+    for s in range(2):
+        _, ref = jit(lambda p, x: moe_layer(p, x, cfg))(params, x[s * half : (s + 1) * half])
+        np.testing.assert_array_equal(by_slice[s], ref["tokens_per_expert"], f"slice {s}")
+    # Experts 0-3 live on slice 0, 4-7 on slice 1.
+    local = by_slice[0, :4].sum() + by_slice[1, 4:].sum()
+    assert float(stats["local_fraction"]) == pytest.approx(local / by_slice.sum())
+
+
+def test_tokens_by_slice_of_one_slice_is_tokens_per_expert():
+    cfg = MoELayerConfig(k=2, capacity_factor=1.0, group_size=8)
+    params, x, _ = make_inputs(seed=5, tokens=TOKENS, num_experts=8)
+    layout = LAYOUTS["e2x4"]
+    ep = ExpertParallelism(layout.expert_axes, strategy="flat")
+    _, stats = jit(lambda p, x: sharded_moe_layer(p, x, cfg, layout.mesh(), ep))(params, x)
+    np.testing.assert_array_equal(stats["tokens_by_slice"], stats["tokens_per_expert"][None])
+    assert float(stats["local_fraction"]) == 1.0
+
+
+def expected_dcn_rows(params, x, cfg: MoELayerConfig, slices: int, chips: int) -> int:
+    """The most used rows a device of e2x4-like meshes (no data axes) sends to one other
+    slice, from the unsharded routing: device (s0, i) holds the groups of block s0 * I + i,
+    expert (s, j, e_l) lives on device (s, j); chip j of slice s0 gathers, for slice s,
+    the used slots of every chip i of its slice for the experts on (s, j)."""
+    num_experts = params["router"].shape[1]
+    groups = TOKENS // cfg.group_size
+    logits = np.asarray(x, np.float64) @ np.asarray(params["router"], np.float64)
+    capacity = expert_capacity(cfg, cfg.group_size, num_experts)
+    routing = route(jnp.asarray(logits.reshape(groups, cfg.group_size, num_experts)), cfg, capacity)
+    counts = np.asarray(routing.dispatch).sum(axis=(1, 3))  # [G, E]
+    c = counts.reshape(slices, chips, -1, slices, chips, num_experts // (slices * chips))
+    rows = np.einsum("aigbje->ajb", c)  # [from slice, lane, to slice]
+    return max(int(rows[a, :, b].max()) for a in range(slices) for b in range(slices) if a != b)
+
+
+@pytest.mark.parametrize("k", [1, 2])
+def test_packed_moves_fewer_rows_between_slices_when_routing_is_local(k):
+    # Feature 0 says which slice holds a token (+ on slice 0, - on slice 1) and the router
+    # reads it as a preference for slice 0's experts (0-3) or slice 1's (4-7); a negative
+    # weight sends every token's preference to the other slice. A mild preference (one
+    # logit) lets some choices cross slices either way; a strong one keeps them all home,
+    # and the loop runs no trip at all. Dropless: C = 8, and a block is
+    # I * E_l * G_l * C = 4 * 1 * 1 * 8 = 32 rows.
+    cfg = MoELayerConfig(k=k, capacity_factor=None, group_size=8)
+    params, x, r = make_inputs(seed=7, tokens=TOKENS, num_experts=8)
+    x = x.at[:, 0].set(jnp.where(jnp.arange(TOKENS) < TOKENS // 2, 2.0, -2.0))
+    layout = LAYOUTS["e2x4"]
+    mesh, ep = layout.mesh(), layout.ep("packed")
+    sharded = loss_fn(lambda p, x: sharded_moe_layer(p, x, cfg, mesh, ep), r)
+    unsharded = loss_fn(lambda p, x: moe_layer(p, x, cfg), r)
+    rows = {}
+    for case, weight in (("local", 0.5), ("remote", -0.5), ("all local", 3.0)):
+        bias = weight * jnp.where(jnp.arange(8) < 4, 1.0, -1.0)
+        p = {**params, "router": params["router"].at[0].set(bias)}
+        (_, (y, stats)), grads = sharded(p, x)
+        (_, (ref_y, ref_stats)), ref_grads = unsharded(p, x)
+        assert_close(y, ref_y, f"y ({case})")
+        np.testing.assert_array_equal(stats["tokens_per_expert"], ref_stats["tokens_per_expert"])
+        for name in ("router", "w1", "w2"):
+            assert_close(grads[0][name], ref_grads[0][name], f"d/d{name} ({case})")
+        assert_close(grads[1], ref_grads[1], f"d/dx ({case})")
+        rows[case] = int(stats["dcn_rows"])
+        assert rows[case] == expected_dcn_rows(p, x, cfg, slices=2, chips=4), case
+    assert 0 < rows["local"] < rows["remote"] < 32
+    assert rows["all local"] == 0
+    # The loop's trips, ceil(rows / chunk), fall with them.
+    assert -(-rows["local"] // CHUNK) < -(-rows["remote"] // CHUNK)
+
+
 # -- configuration errors --------------------------------------------------------------------
 
 
@@ -182,6 +289,9 @@ def test_renormalize_off_and_bfloat16_experts_match_unsharded():
         ({"expert_axes": ("e",), "strategy": "ring"}, "strategy='ring'"),
         ({"expert_axes": ("e",), "strategy": "hierarchical"}, r"expert_axes=\(dcn_axis"),
         ({"expert_axes": ("e", "d"), "data_axes": ("d",)}, "appears twice"),
+        ({"expert_axes": ("e",), "strategy": "packed"}, r"packed strategy needs expert_axes"),
+        ({"expert_axes": ("e", "i"), "strategy": "packed", "chunk": 0}, "chunk=0"),
+        ({"expert_axes": ("e", "i"), "chunk": 2.5}, "chunk=2.5"),
     ],
 )
 def test_expert_parallelism_refuses_bad_axes(kwargs, message):
@@ -220,9 +330,16 @@ def test_sizes_that_cannot_split_are_refused():
 # -- DCN traffic -------------------------------------------------------------------------------
 
 
-def predict(layout: Layout, strategy: str, cfg: MoELayerConfig, num_experts: int) -> DcnTraffic:
+def predict(
+    layout: Layout, strategy: str, cfg: MoELayerConfig, num_experts: int, chunk: int = CHUNK
+) -> DcnTraffic:
     return predict_dcn_traffic(
-        layout.spec, layout.ep(strategy), cfg, tokens=TOKENS, d_model=D, num_experts=num_experts
+        layout.spec,
+        layout.ep(strategy, chunk),
+        cfg,
+        tokens=TOKENS,
+        d_model=D,
+        num_experts=num_experts,
     )
 
 
@@ -262,11 +379,28 @@ def test_dcn_traffic_by_hand():
     assert predict(in_slice, "flat", cfg, 8) == DcnTraffic(bytes=0, messages=0)
 
 
+def test_packed_dcn_traffic_bound_by_hand():
+    # e2x4 as above: a DCN block is I * E_l * G_l * C = 4 rows of 32 bytes. The counts
+    # (E * G_l = 8 int32, 32 bytes per device) cross once: 8 messages of 16 bytes.
+    cfg = MoELayerConfig(k=2, capacity_factor=1.0, group_size=8)
+    e2x4 = LAYOUTS["e2x4"]
+    counts = DcnTraffic(bytes=128, messages=8)
+    # A chunk of at least a block: one trip per direction, hierarchical's traffic.
+    for chunk in (4, 64):
+        assert predict(e2x4, "packed", cfg, 8, chunk) == DcnTraffic(2 * 1024 + 128, 16 + 8)
+    # Chunks of 3 rows: 2 trips, the second padded: 8 messages of 3 * 32 bytes each way,
+    # twice per direction.
+    bound = DcnTraffic(bytes=2 * 2 * 8 * 96 + counts.bytes, messages=2 * 2 * 8 + counts.messages)
+    assert predict(e2x4, "packed", cfg, 8, 3) == bound
+    # Chunks of 1 row: 4 trips, no padding: hierarchical's bytes, 4 times its messages.
+    assert predict(e2x4, "packed", cfg, 8, 1) == DcnTraffic(2 * 1024 + 128, 4 * 16 + 8)
+
+
 _A2A = re.compile(
     r'"stablehlo.all_to_all".*replica_groups = dense<(?P<groups>[\[\]\d, ]*)>.*'
     r"split_count = (?P<split>\d+).*: \(tensor<(?P<shape>[\dx]+)x(?P<dtype>\w+)>\)"
 )
-_BYTES = {"f32": 4, "bf16": 2, "f16": 2}
+_BYTES = {"f32": 4, "bf16": 2, "f16": 2, "i32": 4}
 
 
 def program_dcn_traffic(spec: MeshSpec, stablehlo: str) -> DcnTraffic:
@@ -310,22 +444,35 @@ def program_dcn_traffic(spec: MeshSpec, stablehlo: str) -> DcnTraffic:
         ("d2dcn.e2x2", "flat", 16, MoELayerConfig(k=1, capacity_factor=None, group_size=4)),
         ("d2dcn.e2x2", "hierarchical", 16, MoELayerConfig(k=1, capacity_factor=None, group_size=4)),
         ("d2.e2x2", "hierarchical", 8, MoELayerConfig(k=2, group_size=8, dtype="bfloat16")),
+        ("e2x4", "packed", 8, MoELayerConfig(k=2, capacity_factor=1.0, group_size=8)),
+        ("d2dcn.e2x2", "packed", 16, MoELayerConfig(k=1, capacity_factor=None, group_size=4)),
+        ("d2.e2x2", "packed", 8, MoELayerConfig(k=2, group_size=8, dtype="bfloat16")),
     ],
 )
 def test_dcn_traffic_prediction_matches_the_programs_all_to_alls(name, strategy, num_experts, cfg):
+    # For packed, a chunk as large as a block: the program then holds each loop's one
+    # all_to_all once, as many as the bound counts (one trip). The chunked bound itself is
+    # checked by hand above.
+    chunk = 1 << 20
     layout = LAYOUTS[name]
     params, x, _ = make_inputs(seed=0, tokens=TOKENS, num_experts=num_experts)
-    mesh, ep = layout.mesh(), layout.ep(strategy)
+    mesh, ep = layout.mesh(), layout.ep(strategy, chunk)
     # The lowered StableHLO is what `jax.export` ships to workers. (XLA:CPU's compiled
     # all-to-alls would not do: it widens bfloat16 to float32 for collectives.)
     layer = lambda p, x: sharded_moe_layer(p, x, cfg, mesh, ep)  # noqa: E731
-    predicted = predict(layout, strategy, cfg, num_experts)
+    predicted = predict(layout, strategy, cfg, num_experts, chunk)
     assert predicted.messages > 0
     forward = jax.jit(layer).lower(params, x).as_text()
     assert program_dcn_traffic(layout.spec, forward) == predicted
-    # The backward pass runs the transposed exchanges: as much again.
+    # The backward pass runs the transposed exchanges: as much again, but for packed's
+    # routing counts (what it adds to hierarchical here), which have no cotangent.
+    counts = DcnTraffic(0, 0)
+    if strategy == "packed":
+        payload = predict(layout, "hierarchical", cfg, num_experts)
+        counts = DcnTraffic(predicted.bytes - payload.bytes, predicted.messages - payload.messages)
+        assert counts.messages > 0
     loss = lambda p, x: jnp.sum(layer(p, x)[0])  # noqa: E731
     both = jax.jit(jax.grad(loss, (0, 1))).lower(params, x).as_text()
     assert program_dcn_traffic(layout.spec, both) == DcnTraffic(
-        2 * predicted.bytes, 2 * predicted.messages
+        2 * predicted.bytes - counts.bytes, 2 * predicted.messages - counts.messages
     )
