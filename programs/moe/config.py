@@ -38,7 +38,9 @@ class MoEConfig(LMConfig):
     over its `fsdp` axis too when `experts_over_fsdp` (so a slice's chips split its share
     of the experts). `dispatch` picks how tokens travel to them ("flat" or "hierarchical",
     see `programs.moe.sharded`); hierarchical needs both an `expert` axis across slices
-    and an `fsdp` axis inside them.
+    and an `fsdp` axis inside them; "packed" is hierarchical with a DCN hop that carries
+    only the used slots, so that the bytes between slices follow where tokens route, which
+    load-aware placement (`rebalance_every`) improves.
     """
 
     n_experts: int = 8
@@ -52,6 +54,16 @@ class MoEConfig(LMConfig):
     z_loss_weight: float = 1e-3
     dispatch: str = "flat"
     experts_over_fsdp: bool = True
+    # Load-aware placement (`controller.placement`): every `rebalance_every` steps (0:
+    # never) the controller may re-place the experts over the slices from the routing of
+    # the steps since, if that raises the share of choices served on their own slice by at
+    # least `rebalance_min_gain`. `dcn_chunk`: rows per trip of dispatch=packed's DCN hop.
+    rebalance_every: int = 0
+    rebalance_min_gain: float = 0.05
+    dcn_chunk: int = 64
+    # An instrument for placement experiments, not a training recipe: > 0 initialises the
+    # router so that tokens prefer experts by byte value (see `model.init_params`).
+    router_skew: float = 0.0
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -76,6 +88,15 @@ class MoEConfig(LMConfig):
             )
         if self.aux_loss_weight < 0 or self.z_loss_weight < 0:
             raise ConfigError("aux_loss_weight and z_loss_weight must be >= 0")
+        if self.rebalance_every < 0 or not 0 <= self.rebalance_min_gain <= 1:
+            raise ConfigError(
+                f"rebalance_every={self.rebalance_every} must be >= 0 (0: never) and "
+                f"rebalance_min_gain={self.rebalance_min_gain} in [0, 1]"
+            )
+        if self.dcn_chunk < 1 or self.router_skew < 0:
+            raise ConfigError(
+                f"dcn_chunk={self.dcn_chunk} must be >= 1 and router_skew={self.router_skew} >= 0"
+            )
         if self.dispatch not in STRATEGIES:
             raise ConfigError(f"dispatch={self.dispatch!r} must be one of {list(STRATEGIES)}")
 

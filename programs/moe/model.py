@@ -28,7 +28,7 @@ Params = dict[str, Any]
 # (params of one MoE layer, tokens [T, D]) -> (y [T, D], stats)
 MoEFn = Callable[[Params, jax.Array], tuple[jax.Array, dict[str, jax.Array]]]
 # What every step reports per MoE layer (stacked over the layers, in layer order).
-STATS = ("dropped_fraction", "local_fraction", "tokens_per_expert")
+STATS = ("dropped_fraction", "local_fraction", "tokens_by_slice", "tokens_per_expert")
 
 
 def init_params(config: MoEConfig, key: jax.Array) -> Params:
@@ -62,7 +62,39 @@ def init_params(config: MoEConfig, key: jax.Array) -> Params:
     }
     if n > m:
         params["dense"] = {"w_in": w["w_in"], "w_out": w["w_out"]}
+    if config.router_skew:
+        params["embed"], params["moe"]["router"] = _skew(
+            config, jax.random.fold_in(key, 1), params["embed"], params["moe"]["router"]
+        )
     return params
+
+
+def _skew(
+    config: MoEConfig, key: jax.Array, embed: jax.Array, router: jax.Array
+) -> tuple[jax.Array, jax.Array]:
+    """The `router_skew` instrument: byte values [256 e / E, 256 (e + 1) / E) get a shared
+    direction u_e in their embeddings, and expert e's router column gets u_e too, so that a
+    token prefers the experts of its byte range. With data whose bytes differ by slice (see
+    `per_file_rows`), each slice then routes to its own experts: the skewed routing that
+    load-aware placement fixes. The directions are orthonormal (random ones when E > D);
+    `router_skew` 1 gives them the length of a typical embedding row and router column.
+    The other weights are drawn as without it."""
+    d, e = router.shape[1], router.shape[2]
+    drawn = jax.random.normal(key, (d, e), jnp.float32)
+    columns: list[jax.Array] = []
+    for j in range(e):  # Gram-Schmidt, not jnp.linalg.qr: its LAPACK call crashed workers
+        v = drawn[:, j]
+        for u in columns if e <= d else ():
+            v = v - jnp.dot(u, v) * u
+        columns.append(v / jnp.linalg.norm(v))
+    directions = jnp.stack(columns, axis=1)
+    vocab = embed.shape[0]
+    expert_of_byte = jnp.arange(vocab) * e // vocab
+    row = jnp.mean(jnp.linalg.norm(embed, axis=1))
+    column = jnp.mean(jnp.linalg.norm(router, axis=1))
+    skew = config.router_skew
+    embed = embed + skew * row * directions.T[expert_of_byte]
+    return embed, router + skew * column * directions[None]
 
 
 def forward(
@@ -101,12 +133,40 @@ def loss_and_stats(
         + config.aux_loss_weight * sum(s["aux_loss"] for s in layer_stats)
         + config.z_loss_weight * sum(s["z_loss"] for s in layer_stats)
     )
-    one = jnp.float32(1.0)  # unsharded: every expert is on the token's slice
-    stats = {
-        name: jnp.stack([s.get(name, one) for s in layer_stats]).astype(jnp.float32)
-        for name in STATS
-    }
+    for s in layer_stats:  # unsharded: one slice, where every expert is
+        s.setdefault("local_fraction", jnp.float32(1.0))
+        s.setdefault("tokens_by_slice", s["tokens_per_expert"][None])
+    stats = {name: jnp.stack([s[name] for s in layer_stats]).astype(jnp.float32) for name in STATS}
     return loss, stats
+
+
+def expert_movers(params: Params, order: jax.Array) -> Any:
+    """A tree shaped like `params` whose leaves are functions: each moves its leaf's experts
+    as `permute_experts` does, and leaves without experts as they are. Optimizer states
+    hold trees shaped like the params (Adam's moments), which move with the same functions
+    (see `MoEProgram.permute_experts`).
+    """
+
+    def take(axis: int) -> Callable[[jax.Array], jax.Array]:
+        # Stacked over the MoE layers: layer l's slice takes `order[l]` along `axis`.
+        return lambda a: jax.vmap(lambda w, o: jnp.take(w, o, axis=axis - 1))(a, order)
+
+    movers = jax.tree.map(lambda _: lambda a: a, params)
+    movers["moe"] = {"router": take(2), "w1": take(1), "w2": take(1)}
+    return movers
+
+
+def permute_experts(params: Params, order: jax.Array) -> Params:
+    """The same model with its experts renumbered: MoE layer l's expert e becomes the one
+    that was `order[l, e]` (router column, w1 and w2 together). Where an expert runs
+    follows its number (the expert axes split E into blocks), so this is how experts move
+    between devices and slices, and it computes what it did: routing picks experts by
+    probability and slots are claimed per expert in token order, so only the numbering of
+    `tokens_per_expert` changes (and float sums over experts, in their order).
+
+    `order` is int [n_moe_layers, E], a permutation per layer.
+    """
+    return jax.tree.map(lambda move, a: move(a), expert_movers(params, order), params)
 
 
 def expert_parallelism(config: MoEConfig, axes: ParallelAxes) -> ExpertParallelism | None:
@@ -119,9 +179,9 @@ def expert_parallelism(config: MoEConfig, axes: ParallelAxes) -> ExpertParalleli
     """
     fsdp = axes.fsdp if config.experts_over_fsdp else None
     expert_axes = tuple(a for a in (axes.expert, fsdp) if a)
-    if config.dispatch == "hierarchical" and not (axes.expert and fsdp):
+    if config.dispatch != "flat" and not (axes.expert and fsdp):
         raise ConfigError(
-            "dispatch=hierarchical needs an 'expert' mesh axis across slices (e.g. --dcn "
+            f"dispatch={config.dispatch} needs an 'expert' mesh axis across slices (e.g. --dcn "
             "expert=2) and an 'fsdp' axis inside them with experts_over_fsdp=true; use "
             "dispatch=flat otherwise"
         )
@@ -130,8 +190,9 @@ def expert_parallelism(config: MoEConfig, axes: ParallelAxes) -> ExpertParalleli
     return ExpertParallelism(
         expert_axes=expert_axes,
         data_axes=tuple(a for a in axes.batch if a not in expert_axes),
-        strategy="hierarchical" if config.dispatch == "hierarchical" else "flat",
+        strategy=config.dispatch,  # type: ignore[arg-type]  # checked by the config
         expert_slices=max(1, math.prod(axes.slices(a) for a in expert_axes)),
+        chunk=config.dcn_chunk,
     )
 
 

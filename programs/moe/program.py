@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any, ClassVar
 
 import jax
+import optax
 
 from programs.base import ParallelAxes
 from programs.lm.program import LMProgram
@@ -44,3 +45,19 @@ class MoEProgram(LMProgram):
     ) -> Any:
         del params_shape  # fixed by the config; the caller checks the shapes
         return model.param_partition(config, axes)
+
+    def permute_experts(
+        self, config: MoEConfig, params: Any, opt_state: Any, order: jax.Array
+    ) -> tuple[Any, Any]:
+        """`model.permute_experts` of the params, and of every params-shaped tree in the
+        optimizer state (Adam's moments) alike; counters stay. Training continues from the
+        result exactly as it would have from the inputs."""
+        movers = model.expert_movers(params, order)
+        moved = optax.tree_map_params(
+            self.optimizer(config),
+            lambda leaf, move: move(leaf),
+            opt_state,
+            movers,
+            transform_non_params=lambda leaf: leaf,
+        )
+        return model.permute_experts(params, order), moved

@@ -85,17 +85,23 @@ def test_the_exported_step_packs_routing_after_the_metrics_and_the_record_unpack
     assert exported.stat_shapes == {
         "dropped_fraction": (layers,),
         "local_fraction": (layers,),
+        "tokens_by_slice": (layers, 2, experts),
         "tokens_per_expert": (layers, experts),
     }
     step = jax.export.deserialize(exported.step)
-    assert step.out_avals[-1].shape == (3 + 2 * layers + layers * experts,)
+    assert step.out_avals[-1].shape == (3 + 2 * layers + 3 * layers * experts,)
 
     counts = np.arange(layers * experts, dtype=np.float32)
-    vector = np.concatenate([[1.5, 3e-4, 2.25], [0.25] * layers, [0.75] * layers, counts])
+    by_slice = np.stack([counts // 2, counts - counts // 2], axis=1)  # [layers*E, 2]
+    by_slice = by_slice.reshape(layers, experts, 2).transpose(0, 2, 1).ravel()
+    vector = np.concatenate([[1.5, 3e-4, 2.25], [0.25] * layers, [0.75] * layers, by_slice, counts])
     record = step_record(4, vector, {0: (0, 10**9)}, tokens=256, stat_shapes=exported.stat_shapes)
     assert record.loss == 2.25
     assert [e.layer for e in record.experts] == list(range(layers))
     assert record.experts[0].tokens_per_expert == tuple(range(experts))
     assert (record.experts[0].dropped_fraction, record.experts[0].local_fraction) == (0.25, 0.75)
+    halves = record.experts[0].tokens_by_slice
+    assert tuple(a + b for a, b in zip(*halves, strict=True)) == tuple(range(experts))
+    assert halves[0] == tuple(n // 2 for n in range(experts))
     with pytest.raises(ValueError, match="reported 3 statistics"):
         step_record(4, vector[:6], {0: (0, 1)}, tokens=1, stat_shapes=exported.stat_shapes)
