@@ -292,6 +292,7 @@ class Job:
     dcn_meter: DcnMeter | None = None
     dcn_read_at: tuple[int, int, int] = (0, 0, 0)  # (step, bytes, segments)
     step_program_id: str = ""  # the step program of the current start
+    placements: int = 0  # times its experts were re-placed over the slices (placement.py)
     mesh: MeshSpec | None = None
     created_at: float = field(default_factory=time.time)
     updated_at: float = field(default_factory=time.time)

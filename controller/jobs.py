@@ -71,6 +71,7 @@ from controller.job import (
 )
 from controller.journal import ExpertLoad, Journal, StepRecord
 from controller.logs import set_log_context
+from controller.placement import plan, routing_by_slice
 from slicewise.common.arrays import ArraySpec
 from slicewise.common.checkpoints import committed_steps, is_committed
 from slicewise.common.errors import (
@@ -795,6 +796,15 @@ class JobRunner:
         step_program = await c.register_program(
             gang.gang_id, f"{spec.program}.step", mesh, step_art
         )
+        # Load-aware expert placement, when the program asks for it and its experts span
+        # slices (`tokens_by_slice` has a row per slice).
+        every = getattr(config, "rebalance_every", 0)
+        slices = exported.stat_shapes.get("tokens_by_slice", (0, 1))[1]
+        permute = None
+        if exported.permute is not None and slices > 1:
+            permute = await c.register_program(
+                gang.gang_id, f"{spec.program}.place_experts", mesh, exported.permute
+            )
         n_state = len(init.outputs)
         batch_sharding = ShardingSpec(mesh, (axes.batch,))
         batch_spec = program.batch_spec(config)
@@ -919,6 +929,12 @@ class JobRunner:
                 await self._check_commits(job)
                 if job.committed_step == step:
                     raise _GrowBack
+            if permute is not None and step > start_step and step % every == 0:
+                while pending:  # the routing of the window's steps decides
+                    await self._record(job, *pending.popleft(), tokens, gang, pending)
+                state_handles = await self._place_experts(
+                    job, gang, config, permute.program_id, state_handles, step
+                )
             batch = c.load_batch(
                 gang.gang_id, spec.program, overrides, step, batch_sharding, fields
             )
@@ -950,6 +966,40 @@ class JobRunner:
         c.delete(state_handles)
         job.live_states.clear()
         return True
+
+    async def _place_experts(
+        self,
+        job: Job,
+        gang: Gang,
+        config: Any,
+        program_id: str,
+        state_handles: list[str],
+        step: int,
+    ) -> list[str]:
+        """Before `step`, re-places the experts over the slices if the routing of the last
+        `rebalance_every` steps says a placement serves enough more choices on their own
+        slice (`controller.placement.plan`); returns the state to train on, moved or not.
+        The move runs on the gang as one program over the state (weights and optimizer
+        moments together), queued like a step, and changes no value the job computes."""
+        c = self.controller
+        window = [r.experts for r in job.recent if step - config.rebalance_every <= r.step < step]
+        by_slice = routing_by_slice(window) if window else None
+        placement = None if by_slice is None else plan(by_slice, config.rebalance_min_gain)
+        if placement is None:
+            return state_handles
+        order = await c.put_array(
+            gang.gang_id, placement.order.astype(np.int32), ShardingSpec(job.mesh, ())
+        )
+        _, moved = c.execute(gang.gang_id, program_id, [*state_handles, order.handle])
+        c.delete([order.handle, *state_handles])
+        handles = [r.handle for r in moved]
+        if step in job.live_states:  # a peer-recovering job's input to `step`
+            job.live_states[step] = handles
+        job.placements += 1
+        message = f"before step {step}: {placement.describe()}"
+        log.info("job %s: %s", job.job_id, message)
+        self._publish(job, message=message)
+        return handles
 
     async def _save_before_yield(
         self,
@@ -1305,12 +1355,14 @@ def expert_loads(stats: Mapping[str, np.ndarray]) -> tuple[ExpertLoad, ...]:
     layers = counts.shape[0]
     dropped = stats.get("dropped_fraction", np.zeros(layers))
     local = stats.get("local_fraction", np.ones(layers))
+    by_slice = stats.get("tokens_by_slice", np.zeros((layers, 0, 0)))
     return tuple(
         ExpertLoad(
             layer=i,
             tokens_per_expert=tuple(int(round(c)) for c in counts[i]),
             dropped_fraction=float(dropped[i]),
             local_fraction=float(local[i]),
+            tokens_by_slice=tuple(tuple(int(round(c)) for c in row) for row in by_slice[i]),
         )
         for i in range(layers)
     )
@@ -1324,6 +1376,9 @@ class ExportedTraining(NamedTuple):
     flops: float  # of one step, by XLA's cost analysis
     state_specs: list[Any]  # the `PartitionSpec` of every state leaf
     stat_shapes: dict[str, tuple[int, ...]]  # the program's statistics in the vector
+    # of permute(state, order int32 [L, E]) -> state, for a program that re-places its
+    # experts (`rebalance_every` > 0, see `controller.placement`); else None
+    permute: bytes | None = None
 
 
 def _export(
@@ -1358,10 +1413,25 @@ def _export(
     exported = jax.export.export(packed, platforms=[platform])(fns.layout.state, fns.layout.batch)
     lowered = packed.trace(fns.layout.state, fns.layout.batch).lower(lowering_platforms=(platform,))
     flops = float((lowered.cost_analysis() or {}).get("flops", 0.0))
+    permute = None
+    if getattr(config, "rebalance_every", 0) and hasattr(program, "permute_experts"):
+        layout = fns.layout
+
+        def permute_fn(state: list[jax.Array], order: jax.Array) -> list[jax.Array]:
+            params, opt_state = layout.unflatten_state(state)
+            return layout.flatten_state(*program.permute_experts(config, params, opt_state, order))
+
+        experts = stat_shapes["tokens_per_expert"]
+        order = jax.ShapeDtypeStruct(experts, jnp.int32, sharding=replicated)
+        moves = jax.jit(permute_fn, out_shardings=state_shardings)
+        permute = bytes(
+            jax.export.export(moves, platforms=[platform])(layout.state, order).serialize()
+        )
     return ExportedTraining(
         init=bytes(init.serialize()),
         step=bytes(exported.serialize()),
         flops=flops,
         state_specs=[tuple(s.sharding.spec) for s in fns.layout.state],
         stat_shapes=stat_shapes,
+        permute=permute,
     )

@@ -15,7 +15,8 @@ import pytest
 from controller.options import ControllerOptions
 from programs.base import get_program, reference_train
 from programs.moe.config import SMALL_MOE_OVERRIDES
-from tests.integration.test_training import cli
+from protos import controller_pb2 as pb
+from tests.integration.test_training import cli, wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -92,3 +93,91 @@ def test_train_moe_over_two_slices_gives_the_reference_loss_curve(client, contro
         + ", ".join(f"{s.dcn_bytes:,.0f} B in {s.dcn_segments:.0f} segments" for s in measured)
     )
     assert f"{job_id}   dcn measured " in run.stdout, run.stdout[-1500:]
+
+
+PLACED_STEPS = 30
+REBALANCE_EVERY = 10
+
+
+def skewed_corpus(root) -> str:
+    """Two files, one per slice's rows (`per_file_rows`): bytes 128-255 for slice 0, whose
+    skewed router prefers experts 4-7 (slice 1's), and ASCII text for slice 1, which
+    prefers experts 0-3 (slice 0's): most choices cross the DCN until experts move."""
+    rng = np.random.default_rng(0)
+    (root / "0-high.bin").write_bytes(rng.integers(128, 256, 60_000, np.uint8).tobytes())
+    words = rng.choice(["expert", "slice", "token", "route", "the", "of", "a"], 12_000)
+    (root / "1-text.txt").write_text(" ".join(words))
+    return str(root / "*")
+
+
+def test_re_placing_skewed_experts_cuts_dcn_bytes_and_changes_no_loss(client, tmp_path):
+    """The same skewed job twice on 2 x v5litepod-4 with packed dispatch (DCN bytes follow
+    the used slots): once as placed at init, once with the controller re-placing the
+    experts before step 10 from the routing of steps 0-9. Same losses; fewer bytes."""
+    settings = SMALL | {
+        "total_steps": str(PLACED_STEPS),
+        "batch_size": "16",
+        "seq_len": "64",
+        "k": "1",  # Switch routing: each token's one choice follows its byte range
+        "dispatch": "packed",
+        "dcn_chunk": "16",
+        "router_skew": "1",
+        "corpus": skewed_corpus(tmp_path),
+        "per_file_rows": "true",
+    }
+    runs = {}
+    for every in (0, REBALANCE_EVERY):
+        job = client.submit_job(
+            "moe",
+            slices=2,
+            slice_type="v5litepod-4",
+            steps=PLACED_STEPS,
+            overrides=settings | {"rebalance_every": str(every)},
+            dcn={"expert": 2},
+            checkpoint_every=0,
+        )
+        done = wait_for(client, job.job_id, timeout=400)
+        assert done.state == pb.JOB_STATE_SUCCEEDED, done.error
+        runs[every] = client.job_metrics(job.job_id).steps
+    fixed, moved = runs[0], runs[REBALANCE_EVERY]
+    assert [s.step for s in moved] == list(range(PLACED_STEPS))
+
+    # What the model computes does not change: same losses, same choices (counted under
+    # the experts' new numbers after the move), same drops.
+    np.testing.assert_allclose([s.loss for s in moved], [s.loss for s in fixed], rtol=1e-4)
+    for a, b in zip(fixed, moved, strict=True):
+        for x, y in zip(a.experts, b.experts, strict=True):
+            assert sorted(x.tokens_per_expert) == sorted(y.tokens_per_expert), (a.step, x, y)
+            assert x.dropped_fraction == pytest.approx(y.dropped_fraction, abs=1e-6)
+    before = [s for s in moved if s.step < REBALANCE_EVERY]
+    after = [s for s in moved if s.step >= REBALANCE_EVERY]
+    assert all(a.experts == b.experts for a, b in zip(before, fixed, strict=False))
+    assert any(
+        a.experts[0].tokens_per_expert != b.experts[0].tokens_per_expert
+        for a, b in zip(after, fixed[REBALANCE_EVERY:], strict=True)
+    )
+
+    # Where it runs does: more choices stay on their slice, and fewer bytes cross.
+    def local(steps):
+        return float(np.mean([e.local_fraction for s in steps for e in s.experts]))
+
+    fixed_after = fixed[REBALANCE_EVERY:]
+    assert local(before) < 0.5 and local(after) > local(fixed_after) + 0.2, (
+        local(before),
+        local(after),
+        local(fixed_after),
+    )
+    windows = {
+        every: {s.step: s.dcn_bytes for s in steps if s.dcn_window} for every, steps in runs.items()
+    }
+    assert set(windows[0]) == set(windows[REBALANCE_EVERY]) == {9, 19, 29}, windows
+    ratios = [windows[REBALANCE_EVERY][s] / windows[0][s] for s in (19, 29)]
+    print(
+        f"local share after step {REBALANCE_EVERY}: {local(fixed_after):.2f} as placed, "
+        f"{local(after):.2f} re-placed; DCN bytes per step (windows 19, 29): "
+        f"{[f'{windows[0][s]:,.0f}' for s in (19, 29)]} as placed, "
+        f"{[f'{windows[REBALANCE_EVERY][s]:,.0f}' for s in (19, 29)]} re-placed, "
+        f"ratios {[f'{r:.2f}' for r in ratios]}"
+    )
+    # Window 19 also carries the move (the moved experts' weights and Adam moments).
+    assert ratios[0] < 1.0 and ratios[1] < 0.85, ratios
