@@ -10,14 +10,24 @@
 
 Errors from the controller arrive as the exception classes of `slicewise.common.errors`
 (InvalidRequestError, NotFoundError, ...), each with the gRPC status as `.code`.
+
+A RemoteArray the program drops (the last wrapper of its handle garbage-collected) is
+deleted on the workers without `delete()`: its handle is queued on the gang and sent in
+batched DeleteArrays calls from the caller's thread (see `Gang.flush_deletes`).
 """
 
 from __future__ import annotations
 
+import contextlib
+import itertools
 import math
 import os
+import threading
 import time
+import weakref
+from collections import deque
 from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
 from typing import Any, NamedTuple
 
 import grpc
@@ -26,6 +36,7 @@ import numpy as np
 from protos import controller_pb2 as pb
 from protos import controller_pb2_grpc as pb_grpc
 from slicewise import wire
+from slicewise.common import auth
 from slicewise.common.arrays import ArraySpec, dtype_of
 from slicewise.common.errors import (
     CapacityError,
@@ -50,6 +61,80 @@ _ERRORS: dict[grpc.StatusCode, type[SlicewiseError]] = {
 
 _RECONNECT_BACKOFF_MS = 2000
 
+# A gang sends the deletes of dropped arrays at its next put or call once this many are
+# queued, or this many bytes (and always on `flush_deletes`).
+DELETE_BATCH = 256
+DELETE_BATCH_BYTES = 256 << 20
+
+
+def _tls_credentials(
+    ca: str | None, cert: str | None, key: str | None
+) -> grpc.ChannelCredentials | None:
+    """Channel credentials from PEM files (arguments, else the environment); None for a
+    plain channel."""
+    ca = ca or os.environ.get(auth.TLS_CA_ENV)
+    cert = cert or os.environ.get(auth.TLS_CERT_ENV)
+    key = key or os.environ.get(auth.TLS_KEY_ENV)
+    if not (ca or cert or key):
+        return None
+    if bool(cert) != bool(key):
+        raise ValueError("mutual TLS needs both a client certificate and its key")
+
+    def read(path: str | None) -> bytes | None:
+        return Path(path).read_bytes() if path else None
+
+    return grpc.ssl_channel_credentials(
+        root_certificates=read(ca), private_key=read(key), certificate_chain=read(cert)
+    )
+
+
+class _Bearer(
+    grpc.UnaryUnaryClientInterceptor,
+    grpc.UnaryStreamClientInterceptor,
+    grpc.StreamUnaryClientInterceptor,
+    grpc.StreamStreamClientInterceptor,
+):
+    """Adds `authorization: Bearer <token>` to every call."""
+
+    def __init__(self, token: str) -> None:
+        self.header = auth.bearer_header(token)
+
+    def _with_token(self, details: Any) -> Any:
+        metadata = [*(details.metadata or ()), self.header]
+        return _CallDetails(
+            details.method, details.timeout, metadata, details.credentials,
+            details.wait_for_ready, details.compression,
+        )
+
+    def intercept_unary_unary(self, continuation: Any, details: Any, request: Any) -> Any:
+        return continuation(self._with_token(details), request)
+
+    def intercept_unary_stream(self, continuation: Any, details: Any, request: Any) -> Any:
+        return continuation(self._with_token(details), request)
+
+    def intercept_stream_unary(self, continuation: Any, details: Any, requests: Any) -> Any:
+        return continuation(self._with_token(details), requests)
+
+    def intercept_stream_stream(self, continuation: Any, details: Any, requests: Any) -> Any:
+        return continuation(self._with_token(details), requests)
+
+
+class _CallDetails(
+    NamedTuple(
+        "_CallDetails",
+        [
+            ("method", str),
+            ("timeout", Any),
+            ("metadata", Any),
+            ("credentials", Any),
+            ("wait_for_ready", Any),
+            ("compression", Any),
+        ],
+    ),
+    grpc.ClientCallDetails,
+):
+    """grpc.ClientCallDetails as a value (gRPC gives no constructor for it)."""
+
 
 def _raise_from(err: grpc.RpcError) -> None:
     code = err.code()
@@ -65,32 +150,56 @@ def _call(fn: Any, *args: Any, **kwargs: Any) -> Any:
         _raise_from(err)
 
 
-def connect(address: str, *, name: str = "", timeout: float = 30.0) -> Client:
-    """Connects to a controller at `host:port` and checks that it answers."""
-    return Client(address, name=name, timeout=timeout)
+def connect(address: str, **options: Any) -> Client:
+    """Connects to a controller at `host:port` and checks that it answers; `options` are
+    `Client`'s (name, timeout, token, TLS files)."""
+    return Client(address, **options)
 
 
 class Client:
-    """A connection to one controller."""
+    """A connection to one controller.
 
-    def __init__(self, address: str, *, name: str = "", timeout: float = 30.0) -> None:
+    `token` is the tenant's bearer token (default: $SLICEWISE_TOKEN; none for a controller
+    started with --insecure-local). For a controller serving TLS, `tls_ca` is the CA bundle
+    that signed its certificate, and for mutual TLS `tls_cert`/`tls_key` this client's own
+    (PEM files; defaults: $SLICEWISE_TLS_CA, $SLICEWISE_TLS_CERT, $SLICEWISE_TLS_KEY).
+    """
+
+    def __init__(
+        self,
+        address: str,
+        *,
+        name: str = "",
+        timeout: float = 30.0,
+        token: str | None = None,
+        tls_ca: str | None = None,
+        tls_cert: str | None = None,
+        tls_key: str | None = None,
+    ) -> None:
         self.address = address
         self.name = name
         # Retry a lost connection every few seconds at most (gRPC's default backoff grows
         # to two minutes), so that a client notices a restarted controller soon.
-        self._channel = grpc.insecure_channel(
-            address, options=[("grpc.max_reconnect_backoff_ms", _RECONNECT_BACKOFF_MS)]
-        )
+        options = [("grpc.max_reconnect_backoff_ms", _RECONNECT_BACKOFF_MS)]
+        credentials = _tls_credentials(tls_ca, tls_cert, tls_key)
+        if credentials is None:
+            raw = grpc.insecure_channel(address, options=options)
+        else:
+            raw = grpc.secure_channel(address, credentials, options=options)
         self.closed = False
         try:
-            grpc.channel_ready_future(self._channel).result(timeout=timeout)
+            grpc.channel_ready_future(raw).result(timeout=timeout)
         except grpc.FutureTimeoutError:
-            self._channel.close()
+            raw.close()
             raise ConnectionError(
                 f"no slicewise controller answers at {address} after {timeout:.0f} s; start "
-                "one with `slicewise controller --sim 2xv5litepod-4 --port 50051`"
+                "one with `slicewise controller --sim 2xv5litepod-4 --insecure-local --port "
+                "50051`" + ("" if credentials is None else " (or the TLS handshake failed)")
             ) from None
-        self.stub = pb_grpc.ControllerStub(self._channel)
+        self._channel = raw
+        token = token or os.environ.get(auth.TOKEN_ENV) or None
+        channel = grpc.intercept_channel(raw, _Bearer(token)) if token else raw
+        self.stub = pb_grpc.ControllerStub(channel)
 
     def health(self) -> pb.HealthResponse:
         return _call(self.stub.Health, pb.HealthRequest(), timeout=30)
@@ -174,6 +283,8 @@ class Client:
         )
         if dcn or ici:
             request.mesh.CopyFrom(wire.mesh_to_pb(MeshSpec.build(dcn, ici)))
+        if gang is not None:
+            gang.flush_deletes()  # the job gets the memory of arrays the client dropped
         return _call(self.stub.SubmitJob, request, timeout=60)
 
     def keep_checkpoint(self, job_id: str, step: int) -> pb.JobInfo:
@@ -367,6 +478,7 @@ class Gang:
         self.slices = list(info.slices)
         self.released = False
         self._meshes: list[Mesh] = []
+        self._drops = DropQueue()
 
     @property
     def chips_per_slice(self) -> int:
@@ -431,6 +543,7 @@ class Gang:
         spec = ArraySpec.of(array.shape, array.dtype)
         sharding_spec = self._sharding_spec(sharding, array.ndim)
         data = memoryview(array.reshape(-1).view(np.uint8))
+        self._flush_due()
 
         def messages() -> Iterator[pb.PutChunk]:
             yield pb.PutChunk(
@@ -514,12 +627,19 @@ class Gang:
         call `k` of the same batch. All calls are queued, or none. Returns each call's
         outputs (a RemoteArray, or a tuple of them)."""
         specs = []
+        # Uploaded arguments stay referenced until the calls are queued, so that no delete
+        # of theirs can be sent before the calls that read them.
+        uploaded = []
         for program, args in calls:
-            handles = [
-                f"@{a.call}:{a.index}" if isinstance(a, Output) else program._as_remote(i, a).handle
-                for i, a in enumerate(args)
-            ]
+            handles = []
+            for i, a in enumerate(args):
+                if isinstance(a, Output):
+                    handles.append(f"@{a.call}:{a.index}")
+                else:
+                    uploaded.append(program._as_remote(i, a))
+                    handles.append(uploaded[-1].handle)
             specs.append(pb.CallSpec(program_id=program.id, inputs=handles))
+        self._flush_due()
         reply = _call(
             self.client.stub.ExecuteBatch,
             pb.ExecuteBatchRequest(gang_id=self.id, calls=specs),
@@ -534,8 +654,47 @@ class Gang:
             results.append(outs[0] if len(outs) == 1 else tuple(outs))
         return results
 
+    def flush_deletes(self) -> int:
+        """Sends the deletes of the arrays this client dropped (see RemoteArray) and not
+        yet deleted, in batches of `DELETE_BATCH`; returns how many it sent. The workers
+        free them once the calls queued before that read them have run. Nothing is sent
+        for a released gang or by a closed client.
+
+        Raises:
+            SlicewiseError: a DeleteArrays call failed (the arrays still queued stay so).
+        """
+        if self.released or self.client.closed:
+            self._drops.forget()
+            return 0
+        sent = 0
+        while batch := self._drops.take(self._drops.batch_size):
+            try:
+                _call(
+                    self.client.stub.DeleteArrays,
+                    pb.DeleteArraysRequest(handles=batch),
+                    timeout=60,
+                )
+            except NotFoundError:
+                # The controller deletes all of a request or none; one of these is gone
+                # already (deleted by its handle, or its gang stopped): one at a time.
+                for handle in batch:
+                    with contextlib.suppress(NotFoundError):
+                        _call(
+                            self.client.stub.DeleteArrays,
+                            pb.DeleteArraysRequest(handles=[handle]),
+                            timeout=60,
+                        )
+            sent += len(batch)
+        return sent
+
+    def _flush_due(self) -> None:
+        if self._drops.due():
+            self.flush_deletes()
+
     def stats(self) -> pb.GangStats:
-        """Dispatch counters and, per worker, arrays held and executor window use."""
+        """Dispatch counters and, per worker, arrays held and executor window use. Dropped
+        arrays count until their deletes are sent (`flush_deletes`) and have run: stats
+        sends none itself, so that two readings differ only by what the caller did."""
         return _call(
             self.client.stub.GetGangStats, pb.GangStatsRequest(gang_id=self.id), timeout=60
         )
@@ -543,8 +702,9 @@ class Gang:
     # -- lifetime -------------------------------------------------------------------
 
     def release(self, *, requeue: bool = False) -> None:
-        """Frees the slices (or, for a shared gang, detaches this client). With `requeue`,
-        for a gang being preempted: give the slices up now but stay queued to resume."""
+        """Frees the slices (or, for a shared gang, detaches this client), and with them
+        every array: dropped arrays need no deletes. With `requeue`, for a gang being
+        preempted: give the slices up now but stay queued to resume."""
         if not self.released:
             _call(
                 self.client.stub.ReleaseGang,
@@ -552,6 +712,7 @@ class Gang:
                 timeout=120,
             )
             self.released = not requeue
+            self._drops.forget()
 
     def events(self) -> Iterator[pb.GangEvent]:
         """What happens to the gang: "preempt" (with `grace_s` to save state and release),
@@ -593,7 +754,10 @@ class Program:
         import jax
 
         leaves = jax.tree.leaves((args, kwargs), is_leaf=lambda x: isinstance(x, RemoteArray))
-        handles = [self._as_remote(i, a).handle for i, a in enumerate(leaves)]
+        # Referenced until the call is queued: no delete of an uploaded argument goes first.
+        inputs = [self._as_remote(i, a) for i, a in enumerate(leaves)]
+        handles = [a.handle for a in inputs]
+        self.gang._flush_due()
         reply = _call(
             self.gang.client.stub.Execute,
             pb.ExecuteRequest(gang_id=self.gang.id, program_id=self.id, inputs=handles),
@@ -642,13 +806,22 @@ class Program:
 
 
 class RemoteArray:
-    """An array that lives on a gang's workers."""
+    """An array that lives on a gang's workers.
+
+    Freed by `delete()`, or once dropped: when the last RemoteArray of its handle is
+    garbage-collected the handle is queued, and the gang sends its delete in a batch at
+    its next put or call once `DELETE_BATCH` handles (or `DELETE_BATCH_BYTES`) are queued,
+    on `gang.flush_deletes()`, and before a job is submitted on the gang; releasing the
+    gang frees everything. A handle string kept after its arrays are dropped names nothing
+    once the delete is sent.
+    """
 
     def __init__(self, gang: Gang, info: pb.ArrayInfo, sharding: ShardingSpec | None) -> None:
         self.gang = gang
         self.handle = info.handle
         self.spec = wire.spec_from_pb(info.spec)
         self.sharding = sharding
+        self._lease = gang._drops.lease(self.handle, self.spec.nbytes)
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -712,6 +885,9 @@ class RemoteArray:
         return result if dtype is None else result.astype(dtype)
 
     def delete(self) -> None:
+        """Deletes the array now (for every RemoteArray of its handle); it is not deleted
+        again when dropped."""
+        self._lease.cancel()
         _call(
             self.gang.client.stub.DeleteArrays,
             pb.DeleteArraysRequest(handles=[self.handle]),
@@ -722,11 +898,104 @@ class RemoteArray:
         return f"RemoteArray({self.handle}: {self.spec})"
 
 
+class Lease:
+    """A client's hold on one remote array, shared by every RemoteArray of its handle: the
+    array is dropped when the lease is garbage-collected."""
+
+    __slots__ = ("__weakref__", "_finalizer", "handle")
+
+    def __init__(self, handle: str) -> None:
+        self.handle = handle
+        self._finalizer: weakref.finalize | None = None
+
+    def cancel(self) -> None:
+        """The array is deleted explicitly: dropping it queues nothing."""
+        if self._finalizer is not None:
+            self._finalizer.detach()
+
+
+class DropQueue:
+    """The remote arrays of one gang that the client holds, and the handles of those it
+    dropped, waiting to be deleted in batches.
+
+    `lease` gives every RemoteArray of one handle the same `Lease` (a weak registry by
+    handle), so a handle is queued only when its last RemoteArray is gone. The lease's
+    finalizer only appends to a deque: it may run on any thread, in the middle of another
+    call or at interpreter exit, so it takes no lock and sends nothing. Callers drain the
+    queue with `take` and send the deletes themselves.
+    """
+
+    def __init__(
+        self, batch_size: int = DELETE_BATCH, batch_bytes: int = DELETE_BATCH_BYTES
+    ) -> None:
+        self.batch_size = batch_size
+        self.batch_bytes = batch_bytes
+        self._leases: weakref.WeakValueDictionary[str, Lease] = weakref.WeakValueDictionary()
+        # (generation, handle, bytes), appended by finalizers.
+        self._dropped: deque[tuple[int, str, int]] = deque()
+        # What callers moved out of `_dropped`: handle -> bytes, in drop order.
+        self._pending: dict[str, int] = {}
+        self._pending_bytes = 0
+        self._lock = threading.Lock()  # callers only, never a finalizer
+        self._generation = 0
+
+    def lease(self, handle: str, nbytes: int) -> Lease:
+        """The lease of `handle`, new or the one its other RemoteArrays share."""
+        lease = self._leases.get(handle)
+        if lease is None:
+            lease = self._leases[handle] = Lease(handle)
+            finalizer = weakref.finalize(lease, self._drop, self._generation, handle, nbytes)
+            finalizer.atexit = False  # the process is going: nothing to send
+            lease._finalizer = finalizer
+        return lease
+
+    def _drop(self, generation: int, handle: str, nbytes: int) -> None:
+        self._dropped.append((generation, handle, nbytes))
+
+    def forget(self) -> None:
+        """Everything leased so far was freed as a whole (the gang was released): discards
+        the queue, and those leases queue nothing when dropped later."""
+        with self._lock:
+            self._generation += 1
+            self._collect()
+            self._pending.clear()
+            self._pending_bytes = 0
+
+    def due(self) -> bool:
+        """Whether a batch's worth is queued, in handles or bytes."""
+        if not self._dropped and not self._pending:  # the usual case, without the lock
+            return False
+        with self._lock:
+            self._collect()
+            return len(self._pending) >= self.batch_size or self._pending_bytes >= self.batch_bytes
+
+    def take(self, limit: int) -> list[str]:
+        """Removes up to `limit` queued handles, oldest first, and returns them."""
+        with self._lock:
+            self._collect()
+            handles = list(itertools.islice(self._pending, limit))
+            for handle in handles:
+                self._pending_bytes -= self._pending.pop(handle)
+            return handles
+
+    def _collect(self) -> None:
+        while True:
+            try:
+                generation, handle, nbytes = self._dropped.popleft()
+            except IndexError:
+                return
+            if generation == self._generation and handle not in self._pending:
+                self._pending[handle] = nbytes
+                self._pending_bytes += nbytes
+
+
 def delete(arrays: Sequence[RemoteArray]) -> None:
-    """Deletes several arrays in one call."""
+    """Deletes several arrays in one call, now; they are not deleted again when dropped."""
     if arrays:
+        for a in arrays:
+            a._lease.cancel()
         _call(
             arrays[0].gang.client.stub.DeleteArrays,
-            pb.DeleteArraysRequest(handles=[a.handle for a in arrays]),
+            pb.DeleteArraysRequest(handles=list(dict.fromkeys(a.handle for a in arrays))),
             timeout=60,
         )
