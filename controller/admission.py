@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import math
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
@@ -195,8 +196,11 @@ class GangManager:
     ) -> tuple[Gang, str]:
         """Admits a gang of whole slices and starts its workers (see AllocateGang).
         Returns the gang and the id the caller should use for it."""
-        if weight <= 0:
-            raise InvalidRequestError(f"a share weight must be positive, got {weight}")
+        if not (math.isfinite(weight) and weight > 0):
+            raise InvalidRequestError(
+                f"a share weight (AllocateGangRequest.weight) must be a positive finite "
+                f"number, got {weight!r}; unset means 1"
+            )
         if shared:
 
             async def create() -> Gang:

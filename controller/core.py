@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import math
 import time
 import uuid
 from collections import OrderedDict
@@ -33,6 +34,7 @@ from controller.programs import Program, ProgramRegistry, load_program, program_
 from controller.scheduler import Scheduler
 from slicewise.common.arrays import ArraySpec, dtype_of
 from slicewise.common.errors import (
+    CapacityError,
     DeadlineError,
     FailedPreconditionError,
     InvalidRequestError,
@@ -55,6 +57,7 @@ from slicewise.common.ops import (
     RestoreOp,
     SaveOp,
 )
+from slicewise.common.topology import HBM_BYTES_PER_CHIP
 from slicewise.common.trace import Span, SpanRecorder, chrome_trace
 from slicewise.common.trace import now_us as trace_now_us
 
@@ -113,6 +116,7 @@ class Controller:
         # Worker timelines of released gangs, so a trace can still be taken afterwards.
         self._archived_spans: OrderedDict[str, list[tuple[str, list[Span]]]] = OrderedDict()
         self._gauges: asyncio.Task[None] | None = None
+        self._unpinning: set[asyncio.Task[None]] = set()  # see _unpin
         self._journalled: set[str] = set()
 
     @property
@@ -383,11 +387,35 @@ class Controller:
     # -- arrays ---------------------------------------------------------------------
 
     def begin_put(self, gang_id: str, spec: ArraySpec, sharding: ShardingSpec) -> PutTarget:
-        """Validates an upload's header before any of its bytes arrive."""
+        """Validates an upload's header before any of its bytes arrive, and makes room
+        for them.
+
+        Raises:
+            CapacityError: each chip's piece of the array would not fit in a chip's HBM,
+                or the controller cannot hold the whole array to split it.
+        """
         gang, client = self.manager.resolve(gang_id)
         sharding.mesh.check_fits(gang.shape)
         sharding.check(spec.shape)
-        return PutTarget(gang, client, spec, sharding, np.empty(spec.nbytes, dtype=np.uint8))
+        per_chip = math.prod(sharding.shard_shape(spec.shape)) * dtype_of(spec.dtype).itemsize
+        if per_chip > HBM_BYTES_PER_CHIP:
+            chips = gang.shape.num_devices
+            how = f"split as {sharding.partition_spec()}" if any(sharding.dims) else "replicated"
+            raise CapacityError(
+                f"a {spec} array ({_size(spec.nbytes)}) {how} puts {_size(per_chip)} on each "
+                f"chip, more than the {_size(HBM_BYTES_PER_CHIP)} of HBM a v5e chip has "
+                f"(gang {gang_id}: {chips} chips, "
+                f"{_size(chips * HBM_BYTES_PER_CHIP)} in all); split it over more mesh axes, "
+                "or upload it as smaller arrays"
+            )
+        try:
+            buffer = np.empty(spec.nbytes, dtype=np.uint8)
+        except MemoryError:
+            raise CapacityError(
+                f"the controller cannot hold a {spec} array ({_size(spec.nbytes)}) in memory "
+                "to split it over the gang; upload it as smaller arrays"
+            ) from None
+        return PutTarget(gang, client, spec, sharding, buffer)
 
     async def finish_put(self, target: PutTarget) -> ArrayRecord:
         """Splits a received array into per-host pieces and queues it to the workers."""
@@ -586,21 +614,27 @@ class Controller:
         pin_id = uuid.uuid4().hex
         ticket = self._submit(gang, "", lambda seq: PinOp(seq, handle, pin_id), needs=[record])
         started = time.perf_counter()
+        unpinned = False  # reading takes the pieces (and the pin) off the workers
         try:
-            error = await asyncio.wait_for(ticket.done, timeout_s)
+            # Shielded: the pin goes ahead in the gang's order whatever becomes of the
+            # fetch, so that `_unpin` can tell when it has happened.
+            error = await asyncio.wait_for(asyncio.shield(ticket.done), timeout_s)
             if error:
                 raise FailedPreconditionError(f"array {handle} is unavailable: {error}")
             pinned = time.perf_counter()
             pieces = await asyncio.wait_for(gang.read(pin_id), timeout_s)
+            unpinned = True
             read = time.perf_counter()
         except TransportError as exc:
             raise WorkerError(f"reading {handle} from gang {gang.gang_id} failed: {exc}") from exc
         except TimeoutError:
-            await gang.drop_pin(pin_id)
             raise DeadlineError(
-                f"array {handle} was not ready within {timeout_s:.0f} s; fetch again with a "
+                f"array {handle} was not ready within {timeout_s:g} s; fetch again with a "
                 "longer timeout"
             ) from None
+        finally:
+            if not unpinned:  # failed, timed out or cancelled (the client went away)
+                self._unpin(gang, ticket, pin_id)
         result = await asyncio.to_thread(_assemble, record.spec, pieces)
         metrics.BYTES.labels("fetch").inc(record.spec.nbytes)
         self.spans.record(
@@ -634,7 +668,24 @@ class Controller:
                 task.cancel()
         return records
 
+    def _unpin(self, gang: Gang, ticket: Ticket, pin_id: str) -> None:
+        """Drops a fetch's pin from the workers once its PinOp has run there (a drop
+        sent earlier would arrive first and leave the array pinned, held in device
+        memory even after it is deleted)."""
+
+        async def unpin() -> None:
+            await ticket.done
+            if gang.state.usable:
+                await gang.drop_pin(pin_id)
+
+        task = asyncio.create_task(unpin(), name=f"unpin {pin_id}")
+        self._unpinning.add(task)
+        task.add_done_callback(self._unpinning.discard)
+
     def delete(self, handles: Sequence[str]) -> int:
+        """Deletes arrays, all or none; a handle given twice counts once. Returns how many
+        were deleted."""
+        handles = list(dict.fromkeys(handles))
         records = {h: self.arrays.get(h) for h in handles}  # all or none: check first
         by_gang: dict[str, list[str]] = {}
         for h in handles:
@@ -679,6 +730,10 @@ def _marking(records: Sequence[ArrayRecord], build: Callable[[int], Any]) -> Cal
         return build(seq)
 
     return numbered_build
+
+
+def _size(nbytes: int) -> str:
+    return f"{nbytes} bytes ({nbytes / 2**30:.3g} GiB)"
 
 
 def _assemble(

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 from slicewise.common.arrays import ArraySpec
 from slicewise.common.errors import InvalidRequestError, NotFoundError, ProgramMismatchError
+from slicewise.common.limits import MAX_PROGRAM_BYTES
 from slicewise.common.mesh import GangShape, MeshSpec
 
 
@@ -54,6 +55,50 @@ class Program:
                     f"input {i} of program {self.name!r}: expected {want}, got {got} "
                     f"(array {handle})"
                 )
+
+
+class ProgramUpload:
+    """The bytes of one RegisterProgram stream, held to the size its header declared as
+    they arrive (a stream that goes on past it is refused at once, not buffered)."""
+
+    def __init__(self, name: str, total_bytes: int) -> None:
+        """Raises InvalidRequestError unless `total_bytes` is a size a program can have."""
+        if not 0 < total_bytes <= MAX_PROGRAM_BYTES:
+            raise InvalidRequestError(
+                f"program {name!r} declares total_bytes={total_bytes}; a serialized "
+                f"jax.export artifact has between 1 and {MAX_PROGRAM_BYTES} bytes (2 GiB, "
+                "the most flatbuffers can hold): set total_bytes to the length of "
+                "exported.serialize()"
+            )
+        self.name = name
+        self.total_bytes = total_bytes
+        self.received = 0
+        self._parts: list[bytes] = []
+
+    def add(self, data: bytes) -> None:
+        """Raises InvalidRequestError if `data` takes the stream past `total_bytes`."""
+        if self.received + len(data) > self.total_bytes:
+            raise InvalidRequestError(
+                f"program {self.name!r} sent more than the {self.total_bytes} bytes its "
+                f"header declared (total_bytes; {self.received + len(data)} so far); send "
+                "exactly total_bytes bytes after the header"
+            )
+        self._parts.append(data)
+        self.received += len(data)
+
+    def serialized(self) -> bytes:
+        """All the bytes, once the stream ended.
+
+        Raises:
+            InvalidRequestError: fewer bytes came than the header declared.
+        """
+        if self.received != self.total_bytes:
+            raise InvalidRequestError(
+                f"program {self.name!r} sent {self.received} bytes, but its header declared "
+                f"total_bytes={self.total_bytes}; send exactly total_bytes bytes after the "
+                "header"
+            )
+        return b"".join(self._parts)
 
 
 def program_id_of(serialized: bytes, mesh: MeshSpec) -> str:

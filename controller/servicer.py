@@ -3,6 +3,8 @@
 Errors become status codes here and nowhere else, by the table in
 slicewise/common/errors.py (each error class names its code); an unexpected error
 becomes INTERNAL for that one call and the controller keeps serving everyone else.
+Request bytes that do not parse reach the servicer too (see `TolerantParsing`), and are
+refused as INVALID_ARGUMENT like any other client mistake.
 """
 
 from __future__ import annotations
@@ -28,10 +30,12 @@ from controller.job import (
 )
 from controller.jobs import JobRunner
 from controller.logs import set_log_context
+from controller.programs import ProgramUpload
 from protos import controller_pb2 as pb
 from protos import controller_pb2_grpc as pb_grpc
 from slicewise import wire
 from slicewise.common.errors import FailedPreconditionError, InvalidRequestError, SlicewiseError
+from slicewise.common.limits import check_seconds
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +60,87 @@ async def _abort(context: grpc.aio.ServicerContext, method: str, exc: Exception)
     await context.abort(code, message)
 
 
+class MalformedMessage:
+    """Stands in for a request message whose bytes did not parse (see TolerantParsing)."""
+
+    def __init__(self, error: str) -> None:
+        self.error = error
+
+
+class TolerantParsing(grpc.aio.ServerInterceptor):
+    """Hands the servicer a MalformedMessage for request bytes that do not parse, so that
+    they are refused as INVALID_ARGUMENT: grpc.aio parses a unary request before any
+    handler runs and answers UNKNOWN when that fails, and it parses each message of a
+    request stream inside the handler's loop, where the failure would be INTERNAL."""
+
+    def __init__(self) -> None:
+        # method -> (the handler it resolved to, its tolerant version): one entry per
+        # method of the service, however many handlers other interceptors make.
+        self._tolerant: dict[str, tuple[grpc.RpcMethodHandler, grpc.RpcMethodHandler]] = {}
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Any],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        handler = await continuation(handler_call_details)
+        if handler is None or handler.request_deserializer is None:
+            return handler
+        method = handler_call_details.method
+        cached = self._tolerant.get(method)
+        if cached is None or cached[0] is not handler:
+            cached = self._tolerant[method] = (handler, _tolerant(handler))
+        return cached[1]
+
+
+def _tolerant(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
+    parse = handler.request_deserializer
+
+    def deserialize(raw: bytes) -> Any:
+        try:
+            return parse(raw)
+        except Exception as exc:  # noqa: BLE001 - DecodeError, or whatever a parser raises
+            return MalformedMessage(f"{type(exc).__name__}: {exc}")
+
+    if handler.request_streaming and handler.response_streaming:
+        make, behaviour = grpc.stream_stream_rpc_method_handler, handler.stream_stream
+    elif handler.request_streaming:
+        make, behaviour = grpc.stream_unary_rpc_method_handler, handler.stream_unary
+    elif handler.response_streaming:
+        make, behaviour = grpc.unary_stream_rpc_method_handler, handler.unary_stream
+    else:
+        make, behaviour = grpc.unary_unary_rpc_method_handler, handler.unary_unary
+    return make(
+        behaviour,
+        request_deserializer=deserialize,
+        response_serializer=handler.response_serializer,
+    )
+
+
+def _parsed(request: Any, method: str) -> Any:
+    """The request, refused if it did not parse; a request stream is checked as its
+    messages arrive."""
+    if isinstance(request, MalformedMessage):
+        raise _malformed(method, request)
+    if hasattr(request, "__aiter__"):
+        return _parsed_stream(request, method)
+    return request
+
+
+async def _parsed_stream(messages: AsyncIterator[Any], method: str) -> AsyncIterator[Any]:
+    async for message in messages:
+        if isinstance(message, MalformedMessage):
+            raise _malformed(method, message)
+        yield message
+
+
+def _malformed(method: str, message: MalformedMessage) -> InvalidRequestError:
+    return InvalidRequestError(
+        f"{method} received bytes that are not a valid request message ({message.error}); "
+        "build requests with the stubs generated from protos/controller.proto"
+    )
+
+
 def _unary(fn: Callable[..., Any]) -> Callable[..., Any]:
     timer = metrics.RPC_SECONDS.labels(fn.__name__)
 
@@ -66,6 +151,7 @@ def _unary(fn: Callable[..., Any]) -> Callable[..., Any]:
         started = time.perf_counter()
         set_log_context(gang=getattr(request, "gang_id", ""))
         try:
+            request = _parsed(request, fn.__name__)
             return await fn(self, request, context)
         except Exception as exc:  # noqa: BLE001 - mapped to a status, never crashes the server
             await _abort(context, fn.__name__, exc)
@@ -81,6 +167,7 @@ def _streaming(fn: Callable[..., AsyncIterator[Any]]) -> Callable[..., AsyncIter
         self: ControllerServicer, request: Any, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[Any]:
         try:
+            request = _parsed(request, fn.__name__)
             async for item in fn(self, request, context):
                 yield item
         except Exception as exc:  # noqa: BLE001
@@ -217,10 +304,17 @@ class ControllerServicer(pb_grpc.ControllerServicer):
         gang, gang_id = await self.controller.allocate(
             request.num_slices,
             request.slice_type,
-            timeout_s=request.timeout_s,
+            timeout_s=check_seconds(
+                "AllocateGangRequest.timeout_s",
+                request.timeout_s,
+                "0 means the controller's default",
+            ),
             client=request.client or (context.peer() or ""),
             priority=request.priority,
-            max_wait_s=request.max_wait_s or None,
+            max_wait_s=check_seconds(
+                "AllocateGangRequest.max_wait_s", request.max_wait_s, "0 means no limit"
+            )
+            or None,
             alternatives=list(request.alternatives),
             same_type=not request.mixed_types,
             shared=request.shared,
@@ -257,19 +351,24 @@ class ControllerServicer(pb_grpc.ControllerServicer):
         self, request_iterator: AsyncIterator[pb.ProgramChunk], context: Any
     ) -> pb.ProgramInfo:
         header: pb.ProgramHeader | None = None
-        parts: list[bytes] = []
+        upload: ProgramUpload | None = None
         async for chunk in request_iterator:
-            if header is None:
+            if upload is None:
                 if not chunk.HasField("header"):
                     raise InvalidRequestError("RegisterProgram's first message must be a header")
                 header = chunk.header
                 self.controller.get_gang(header.gang_id)  # fail fast, before the bytes
-            elif chunk.HasField("data"):
-                parts.append(chunk.data)
-        if header is None:
+                upload = ProgramUpload(header.name, header.total_bytes)
+            elif chunk.HasField("header"):
+                raise InvalidRequestError(
+                    "RegisterProgram received a second header; send one header, then data"
+                )
+            else:
+                upload.add(chunk.data)
+        if header is None or upload is None:
             raise InvalidRequestError("RegisterProgram received no messages")
         program = await self.controller.register_program(
-            header.gang_id, header.name, wire.mesh_from_pb(header.mesh), b"".join(parts)
+            header.gang_id, header.name, wire.mesh_from_pb(header.mesh), upload.serialized()
         )
         return pb.ProgramInfo(
             program_id=program.program_id,
@@ -295,6 +394,10 @@ class ControllerServicer(pb_grpc.ControllerServicer):
                     h.gang_id, wire.spec_from_pb(h.spec), wire.sharding_from_pb(h.sharding)
                 )
                 continue
+            if chunk.HasField("header"):
+                raise InvalidRequestError(
+                    "PutArray received a second header; send one header, then data"
+                )
             data = chunk.data
             if offset + len(data) > len(target.buffer):
                 raise InvalidRequestError(
@@ -337,7 +440,10 @@ class ControllerServicer(pb_grpc.ControllerServicer):
     async def FetchArray(
         self, request: pb.FetchArrayRequest, context: Any
     ) -> AsyncIterator[pb.FetchChunk]:
-        record, array = await self.controller.fetch(request.handle, request.timeout_s)
+        timeout_s = check_seconds(
+            "FetchArrayRequest.timeout_s", request.timeout_s, "0 means the controller's default"
+        )
+        record, array = await self.controller.fetch(request.handle, timeout_s)
         yield pb.FetchChunk(header=messages.array_to_pb(record))
         for piece in wire.chunks(array.reshape(-1).view(np.uint8).data):
             yield pb.FetchChunk(data=bytes(piece))
@@ -346,7 +452,10 @@ class ControllerServicer(pb_grpc.ControllerServicer):
     async def WaitArrays(
         self, request: pb.WaitArraysRequest, context: Any
     ) -> pb.WaitArraysResponse:
-        records = await self.controller.wait(list(request.handles), request.timeout_s)
+        timeout_s = check_seconds(
+            "WaitArraysRequest.timeout_s", request.timeout_s, "0 waits until they settle"
+        )
+        records = await self.controller.wait(list(request.handles), timeout_s)
         return pb.WaitArraysResponse(arrays=[messages.array_to_pb(r) for r in records])
 
     @_unary
@@ -376,6 +485,7 @@ class ControllerServicer(pb_grpc.ControllerServicer):
                     next_sequence=s["next_seq"],
                     max_in_flight=s["max_in_flight"],
                     window=s["window"],
+                    pins=s["pins"],
                 )
                 for s in stats
             ],

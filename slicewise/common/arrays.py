@@ -10,25 +10,40 @@ from dataclasses import dataclass
 import numpy as np
 
 from slicewise.common.errors import InvalidRequestError
+from slicewise.common.limits import MAX_ARRAY_EXTENT_BYTES, MAX_ARRAY_RANK, MAX_DTYPE_NAME
 
 
 def dtype_of(name: str) -> np.dtype:
     """A numpy dtype from its name, including JAX's extra ones (bfloat16, float8_*).
 
     Raises:
-        InvalidRequestError: the name is not a dtype.
+        InvalidRequestError: the name is not a dtype, or not one an accelerator holds.
     """
     import ml_dtypes
 
+    extra = getattr(ml_dtypes, name, None)
+    if isinstance(extra, type) and issubclass(extra, np.generic):
+        return np.dtype(extra)
+    shown = repr(name) if len(name) <= MAX_DTYPE_NAME else f"{name[:MAX_DTYPE_NAME]!r}..."
     try:
-        dtype = np.dtype(getattr(ml_dtypes, name, name))
-    except TypeError:
+        dtype = np.dtype(name) if len(name) <= MAX_DTYPE_NAME else None
+    except Exception:  # noqa: BLE001 - numpy's parser raises TypeError, ValueError, SyntaxError...
+        dtype = None
+    if dtype is None:
         raise InvalidRequestError(
-            f"unknown dtype {name!r}; use a numpy dtype name such as "
+            f"unknown dtype {shown}; use a numpy dtype name such as "
             "'float32', 'bfloat16' or 'int32'"
-        ) from None
-    if dtype.kind not in "biufc" and dtype.type.__module__ != "ml_dtypes":
-        raise InvalidRequestError(f"dtype {name!r} cannot live on an accelerator")
+        )
+    if dtype.kind not in "biufc" or dtype.itemsize > (16 if dtype.kind == "c" else 8):
+        raise InvalidRequestError(
+            f"dtype {shown} ({dtype}) cannot live on an accelerator; use a numeric dtype "
+            "such as 'float32', 'bfloat16', 'int32' or 'bool'"
+        )
+    if not dtype.isnative:
+        raise InvalidRequestError(
+            f"dtype {shown} is not in this machine's byte order; send the data in native "
+            f"order as {dtype.name!r}"
+        )
     return dtype
 
 
@@ -41,10 +56,29 @@ class ArraySpec:
 
     @classmethod
     def of(cls, shape: Sequence[int], dtype: str | np.dtype) -> ArraySpec:
+        """A spec in normal form (plain ints, the dtype's canonical name).
+
+        Raises:
+            InvalidRequestError: a bad dtype, a negative dimension, more dimensions than
+                numpy supports, or dimensions too large for numpy to address.
+        """
         name = dtype if isinstance(dtype, str) else np.dtype(dtype).name
-        spec = cls(tuple(int(d) for d in shape), dtype_of(name).name)
+        dims = tuple(int(d) for d in shape)
+        if len(dims) > MAX_ARRAY_RANK:
+            raise InvalidRequestError(
+                f"shape has {len(dims)} dimensions, more than the {MAX_ARRAY_RANK} numpy "
+                f"supports; reshape the array to at most {MAX_ARRAY_RANK} dimensions"
+            )
+        spec = cls(dims, dtype_of(name).name)
         if any(d < 0 for d in spec.shape):
             raise InvalidRequestError(f"shape {spec.shape} has a negative dimension")
+        # Zero-size arrays too: numpy refuses any shape whose other dimensions overflow.
+        extent = math.prod(d for d in dims if d) * dtype_of(spec.dtype).itemsize
+        if extent > MAX_ARRAY_EXTENT_BYTES:
+            raise InvalidRequestError(
+                f"a {spec} array spans {extent:.3e} bytes, more than numpy can address "
+                "(2**63 - 1); check its shape for a mistake"
+            )
         return spec
 
     @property

@@ -14,7 +14,8 @@ do next.
 |                         |                     | preempted or stopped, was preempted and is    |
 |                         |                     | queued to resume, or is still starting; an    |
 |                         |                     | input array failed                            |
-| CapacityError           | RESOURCE_EXHAUSTED  | the cluster could never satisfy the request   |
+| CapacityError           | RESOURCE_EXHAUSTED  | the cluster could never satisfy the request;  |
+|                         |                     | an upload's piece on one chip exceeds its HBM |
 | DeadlineError           | DEADLINE_EXCEEDED   | not admitted, or not ready, within its timeout|
 | WorkerError             | UNAVAILABLE         | a worker died or stopped answering; a gang    |
 |                         |                     | could not start (the host is named)           |

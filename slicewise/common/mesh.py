@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, cast
 import numpy as np
 
 from slicewise.common.errors import InvalidRequestError, ProgramMismatchError
+from slicewise.common.limits import MAX_MESH_AXES
 
 if TYPE_CHECKING:
     from jax.sharding import AbstractMesh
@@ -80,6 +81,11 @@ class MeshSpec:
     def __post_init__(self) -> None:
         if not self.axes:
             raise InvalidRequestError("a mesh needs at least one axis")
+        if len(self.axes) > MAX_MESH_AXES:
+            raise InvalidRequestError(
+                f"the mesh has {len(self.axes)} axes, more than the {MAX_MESH_AXES} a mesh may "
+                "have; merge or drop axes (an axis of size 1 can usually go)"
+            )
         names = [a.name for a in self.axes]
         if len(set(names)) != len(names):
             raise InvalidRequestError(f"mesh axis names repeat: {names}")
@@ -168,6 +174,15 @@ class ShardingSpec:
             else:
                 dims.append(tuple(str(x) for x in cast(Iterable[object], entry)))
         return cls(mesh, tuple(dims))
+
+    def shard_shape(self, shape: Sequence[int]) -> tuple[int, ...]:
+        """The shape of the piece of an array of `shape` that each device holds (after
+        `check`)."""
+        dims = self.dims + ((),) * (len(shape) - len(self.dims))
+        return tuple(
+            n // math.prod(self.mesh.axis(a).size for a in axes)
+            for n, axes in zip(shape, dims, strict=True)
+        )
 
     def partition_spec(self) -> tuple[object, ...]:
         """The dims in `jax.sharding.PartitionSpec` form."""

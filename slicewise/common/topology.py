@@ -13,6 +13,10 @@ from slicewise.common.errors import InvalidRequestError
 
 ACCELERATOR_TYPE = "TPU-V5LITEPOD"
 
+# High-bandwidth memory of one v5e chip (Cloud TPU v5e docs: 16 GiB HBM2 per chip); the
+# piece of an array that one chip holds must fit in it.
+HBM_BYTES_PER_CHIP = 16 * 2**30
+
 
 @dataclass(frozen=True)
 class SliceType:

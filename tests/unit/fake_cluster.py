@@ -60,6 +60,7 @@ class FakeWorker:
         self.spec = spec
         self.killed = False
         self.epoch = 0
+        self.dropped_pins: list[str] = []
 
     async def free_address(self, host: str) -> str:
         return f"{host}:8476"
@@ -86,7 +87,7 @@ class FakeWorker:
         return []
 
     async def drop_pin(self, pin_id: str) -> None:
-        return None
+        self.dropped_pins.append(pin_id)
 
     async def stash_state(self, name: str, handles: list[str]) -> int:
         return 0
@@ -101,6 +102,9 @@ class FakeChannel:
         self.sent: list[Op] = []
         self.closed = False
         self.progress: dict[str, Any] = {}
+        # Operations of these types stay in flight until `complete_held()`.
+        self.hold: tuple[type[Op], ...] = ()
+        self._held: list[OpResult] = []
         self._results: asyncio.Queue[list[OpResult] | Exception] = asyncio.Queue()
 
     @property
@@ -110,7 +114,16 @@ class FakeChannel:
 
     async def send(self, ops: list[Op]) -> None:
         self.sent.extend(ops)
-        self._results.put_nowait([OpResult(op.seq) for op in ops])
+        self._held += [OpResult(op.seq) for op in ops if isinstance(op, self.hold)]
+        done = [OpResult(op.seq) for op in ops if not isinstance(op, self.hold)]
+        if done:
+            self._results.put_nowait(done)
+
+    def complete_held(self) -> None:
+        """Completes the held operations (see `hold`)."""
+        if self._held:
+            self._results.put_nowait(self._held)
+            self._held = []
 
     async def receive(self) -> list[OpResult]:
         item = await self._results.get()
