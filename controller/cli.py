@@ -26,6 +26,11 @@ def _controller(args: argparse.Namespace) -> int:
             metrics_port=args.metrics_port,
             state_dir=args.state_dir,
             stop_on_stdin_eof=args.stop_on_stdin_eof,
+            tokens_file=args.tokens_file,
+            insecure_local=args.insecure_local,
+            tls_cert=args.tls_cert,
+            tls_key=args.tls_key,
+            tls_client_ca=args.tls_client_ca,
             options=ControllerOptions(
                 worker_window=args.window,
                 preemption_grace_s=args.preemption_grace,
@@ -39,6 +44,23 @@ def _controller(args: argparse.Namespace) -> int:
         print(f"slicewise controller: {exc}", file=sys.stderr)
         return 2
     return run(config)
+
+
+def _token_add(args: argparse.Namespace) -> int:
+    from controller.auth import TOKEN_ENV, AuthConfigError, add_token
+
+    try:
+        token = add_token(args.tokens_file, args.tenant, "admin" if args.admin else "user")
+    except (AuthConfigError, OSError) as exc:
+        print(f"slicewise token: {exc}", file=sys.stderr)
+        return 2
+    print(token)
+    print(
+        f"(added for tenant {args.tenant!r} to {args.tokens_file}, which keeps only its "
+        f"digest: store the token now; clients pass it as token= or ${TOKEN_ENV})",
+        file=sys.stderr,
+    )
+    return 0
 
 
 def _status(args: argparse.Namespace) -> int:
@@ -257,7 +279,10 @@ def _cluster(args: argparse.Namespace) -> int:
     )
     try:
         print(f"simulated cluster {args.sim} running; Ray address {sim.address}", flush=True)
-        print(f"  slicewise controller --ray-address {sim.address} --port 50051", flush=True)
+        print(
+            f"  slicewise controller --ray-address {sim.address} --insecure-local --port 50051",
+            flush=True,
+        )
         stop.wait()
     finally:
         sim.stop()
@@ -296,6 +321,24 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default %(default)s)")
     p.add_argument("--port", type=int, default=50051, help="port (0 picks a free one)")
+    auth = p.add_argument_group("authentication (one of --tokens-file, --insecure-local)")
+    auth.add_argument(
+        "--tokens-file",
+        metavar="FILE",
+        help="accept the bearer tokens whose digests FILE holds (`slicewise token add`)",
+    )
+    auth.add_argument(
+        "--insecure-local",
+        action="store_true",
+        help="serve without authentication; only on a loopback --host",
+    )
+    auth.add_argument("--tls-cert", metavar="PEM", help="serve TLS with this certificate chain")
+    auth.add_argument("--tls-key", metavar="PEM", help="the private key of --tls-cert")
+    auth.add_argument(
+        "--tls-client-ca",
+        metavar="PEM",
+        help="mutual TLS: require client certificates signed by this CA bundle",
+    )
     p.add_argument(
         "--window",
         type=int,
@@ -369,6 +412,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("-v", "--verbose", action="store_true")
     p.set_defaults(func=_controller)
+
+    p = sub.add_parser("token", help="make bearer tokens for a controller's --tokens-file")
+    token_sub = p.add_subparsers(dest="token_command", required=True)
+    t = token_sub.add_parser("add", help="make a token for a tenant and print it (once)")
+    t.add_argument("--tokens-file", required=True, metavar="FILE")
+    t.add_argument("--tenant", required=True)
+    t.add_argument("--admin", action="store_true", help="the token sees and acts on everything")
+    t.set_defaults(func=_token_add)
 
     p = sub.add_parser("trace", help="write a gang's or job's timeline as Chrome/Perfetto JSON")
     p.add_argument("id", metavar="JOB", help="a job id or gang id")

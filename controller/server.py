@@ -13,7 +13,7 @@ import tempfile
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from controller.options import ControllerOptions
 
@@ -41,6 +41,15 @@ class ServerConfig:
     # Where the journal (jobs, their metrics, gangs) and, by default, the jobs'
     # checkpoints (<state dir>/checkpoints/<job id>) live; None: `default_state_dir`.
     state_dir: str | None = None
+    # Authentication (controller/auth.py): bearer tokens from a tokens file, or none at
+    # all with `insecure_local`, which only a loopback `host` may use.
+    tokens_file: str | None = None
+    insecure_local: bool = False
+    # TLS: the server's certificate chain and key (PEM files); with a client CA bundle,
+    # mutual TLS: clients must present a certificate that CA signed.
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    tls_client_ca: str | None = None
 
     def __post_init__(self) -> None:
         if bool(self.sim) == bool(self.ray_address):
@@ -48,6 +57,26 @@ class ServerConfig:
                 "give exactly one of --sim SPEC (embedded simulation) or "
                 "--ray-address ADDR (an existing Ray cluster)"
             )
+        from controller.auth import is_loopback
+
+        if self.insecure_local and self.tokens_file:
+            raise ValueError("give either --tokens-file or --insecure-local, not both")
+        if self.insecure_local and not is_loopback(self.host):
+            raise ValueError(
+                f"--insecure-local serves without authentication, so it listens only on a "
+                f"loopback address, not {self.host!r}; give --tokens-file (and --tls-cert/"
+                "--tls-key) to listen there"
+            )
+        if not (self.insecure_local or self.tokens_file):
+            raise ValueError(
+                "authentication is on by default: give --tokens-file FILE (make tokens with "
+                "`slicewise token add`), or --insecure-local to serve without it on a "
+                "loopback address"
+            )
+        if bool(self.tls_cert) != bool(self.tls_key):
+            raise ValueError("TLS needs both --tls-cert and --tls-key")
+        if self.tls_client_ca and not self.tls_cert:
+            raise ValueError("--tls-client-ca (mutual TLS) needs --tls-cert and --tls-key")
         if self.sim:
             from slicewise.common.topology import parse_sim_spec
 
@@ -112,6 +141,11 @@ def run(config: ServerConfig) -> int:
 
     prepare_environment(config.ray_address)
     state_dir = Path(config.state_dir or default_state_dir(config.sim))
+    try:  # before anything starts: a bad tokens file or certificate fails at once
+        security = _security(config)
+    except (OSError, ValueError) as exc:
+        log.error("%s", exc)
+        return 2
     lock = lock_state_dir(state_dir)
     if lock is None:
         return 2
@@ -144,7 +178,7 @@ def run(config: ServerConfig) -> int:
             logging_level=logging.WARNING,
         )
         address = simulation.address if simulation else str(config.ray_address)
-        return asyncio.run(_serve(config, simulation, address, str(state_dir)))
+        return asyncio.run(_serve(config, simulation, address, str(state_dir), security))
     finally:
         ray.shutdown()
         if simulation is not None:
@@ -152,6 +186,35 @@ def run(config: ServerConfig) -> int:
         workdir.cleanup()
         os.close(lock)
         log.info("controller stopped")
+
+
+def _security(config: ServerConfig) -> tuple[list[Any], Any]:
+    """The server's interceptors (authentication) and port credentials (TLS; None for a
+    plain port).
+
+    Raises:
+        AuthConfigError: the tokens file cannot be used.
+        OSError: a certificate or key file cannot be read.
+    """
+    import grpc
+
+    from controller.auth import AuthInterceptor, TokenTable
+
+    interceptors: list[Any] = []
+    if config.tokens_file:
+        table = TokenTable.load(config.tokens_file)
+        log.info("authenticating calls: %d token(s) from %s", len(table), config.tokens_file)
+        interceptors.append(AuthInterceptor(table))
+    else:
+        log.warning("serving WITHOUT authentication on loopback %s (--insecure-local)", config.host)
+    if not config.tls_cert:
+        return interceptors, None
+    key, chain = Path(str(config.tls_key)).read_bytes(), Path(config.tls_cert).read_bytes()
+    ca = Path(config.tls_client_ca).read_bytes() if config.tls_client_ca else None
+    credentials = grpc.ssl_server_credentials(
+        [(key, chain)], root_certificates=ca, require_client_auth=ca is not None
+    )
+    return interceptors, credentials
 
 
 def _stop_at_stdin_eof(loop: asyncio.AbstractEventLoop, stop: asyncio.Event) -> None:
@@ -164,14 +227,18 @@ def _stop_at_stdin_eof(loop: asyncio.AbstractEventLoop, stop: asyncio.Event) -> 
 
 
 async def _serve(
-    config: ServerConfig, simulation: SimulationProcess | None, ray_address: str, state_dir: str
+    config: ServerConfig,
+    simulation: SimulationProcess | None,
+    ray_address: str,
+    state_dir: str,
+    security: tuple[list[Any], Any],
 ) -> int:
     import grpc
 
     from controller.core import Controller
     from controller.jobs import JobRunner
     from controller.journal import Journal
-    from controller.servicer import ControllerServicer
+    from controller.servicer import ControllerServicer, TolerantParsing
     from protos import controller_pb2_grpc as pb_grpc
 
     journal = Journal(Path(state_dir) / "journal.sqlite")
@@ -179,7 +246,9 @@ async def _serve(
     controller.simulation = simulation
     await controller.start()
     jobs = JobRunner(controller, journal, state_dir)
-    server = grpc.aio.server()
+    interceptors, credentials = security
+    # Authentication first: a call without a known token is refused before anything else.
+    server = grpc.aio.server(interceptors=[*interceptors, TolerantParsing()])
     pb_grpc.add_ControllerServicer_to_server(
         ControllerServicer(
             controller,
@@ -190,7 +259,11 @@ async def _serve(
         server,
     )
     try:
-        port = server.add_insecure_port(f"{config.host}:{config.port}")
+        where = f"{config.host}:{config.port}"
+        if credentials is None:
+            port = server.add_insecure_port(where)
+        else:
+            port = server.add_secure_port(where, credentials)
     except RuntimeError:
         port = 0
     if port == 0:

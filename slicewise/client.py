@@ -102,8 +102,12 @@ class _Bearer(
     def _with_token(self, details: Any) -> Any:
         metadata = [*(details.metadata or ()), self.header]
         return _CallDetails(
-            details.method, details.timeout, metadata, details.credentials,
-            details.wait_for_ready, details.compression,
+            details.method,
+            details.timeout,
+            metadata,
+            details.credentials,
+            details.wait_for_ready,
+            details.compression,
         )
 
     def intercept_unary_unary(self, continuation: Any, details: Any, request: Any) -> Any:

@@ -48,6 +48,9 @@ class ControllerProcess:
         env: dict[str, str] | None = None,
     ) -> None:
         where = ["--sim", sim] if sim else ["--ray-address", str(ray_address)]
+        if "--tokens-file" not in extra_args and "--insecure-local" not in extra_args:
+            # On loopback, as started from here unless told otherwise: nobody else reaches it.
+            where.append("--insecure-local")
         self.proc = subprocess.Popen(
             [
                 sys.executable,

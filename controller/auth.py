@@ -1,0 +1,261 @@
+"""Who is calling: bearer tokens per tenant, checked on every RPC.
+
+A controller that owns a cluster is reachable over the network, so it authenticates by
+default. Each tenant has one or more bearer tokens; the controller keeps only their
+SHA-256 digests, in a tokens file of one JSON object per line:
+
+    {"tenant": "alice", "role": "user", "sha256": "9f86d0..."}
+
+`slicewise token add --tokens-file F --tenant alice` makes a token (32 random bytes,
+URL-safe base64), appends its digest and prints the token once. A token has that much
+entropy, so a plain digest is as good as a slow password hash here, and a stolen tokens
+file gives no usable token. Roles: "user", or "admin" (sees and acts on everything).
+
+Clients send `authorization: Bearer <token>` metadata (`slicewise.connect(token=...)` or
+$SLICEWISE_TOKEN). `AuthInterceptor` checks it before any handler runs and answers
+UNAUTHENTICATED when it is missing or unknown; for calls it lets through, the handler
+finds the caller in `current_identity()`.
+
+Without a tokens file a controller runs only with `--insecure-local`, and only on a
+loopback address: nobody else can reach it (the embedded simulation, `make demo`, tests).
+"""
+
+from __future__ import annotations
+
+import base64
+import contextvars
+import hashlib
+import hmac
+import ipaddress
+import json
+import os
+import secrets
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+from slicewise.common.auth import METADATA_KEY, TOKEN_ENV
+
+ROLES = ("user", "admin")
+
+
+class AuthConfigError(ValueError):
+    """A tokens file or authentication setting that cannot be used; the message says why."""
+
+
+@dataclass(frozen=True)
+class Identity:
+    """Who made a call: a tenant and its role. The local identity (no authentication,
+    loopback only) is the admin tenant "local"."""
+
+    tenant: str
+    role: str = "user"
+
+    @property
+    def admin(self) -> bool:
+        return self.role == "admin"
+
+
+LOCAL = Identity("local", "admin")
+_current: contextvars.ContextVar[Identity] = contextvars.ContextVar("identity", default=LOCAL)
+
+
+def current_identity() -> Identity:
+    """The caller of the RPC being handled (LOCAL when the controller does not
+    authenticate)."""
+    return _current.get()
+
+
+def digest(token: str) -> str:
+    return hashlib.sha256(token.encode()).hexdigest()
+
+
+def new_token() -> str:
+    return base64.urlsafe_b64encode(secrets.token_bytes(32)).decode().rstrip("=")
+
+
+class TokenTable:
+    """The tokens a controller accepts, by digest."""
+
+    def __init__(self, entries: dict[str, Identity]) -> None:
+        self._by_digest = dict(entries)
+
+    def __len__(self) -> int:
+        return len(self._by_digest)
+
+    @classmethod
+    def load(cls, path: str | Path) -> TokenTable:
+        """Reads a tokens file (see the module docstring).
+
+        Raises:
+            AuthConfigError: the file is missing, unreadable, empty, or has a bad line
+                (the line number and what is wrong are in the message).
+        """
+        try:
+            text = Path(path).read_text()
+        except OSError as exc:
+            raise AuthConfigError(f"cannot read tokens file {path}: {exc.strerror}") from None
+        entries: dict[str, Identity] = {}
+        for number, line in enumerate(text.splitlines(), 1):
+            if not line.strip() or line.lstrip().startswith("#"):
+                continue
+            where = f"tokens file {path}, line {number}"
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise AuthConfigError(f"{where}: not JSON ({exc.msg})") from None
+            if not isinstance(row, dict):
+                raise AuthConfigError(f"{where}: expected an object with tenant, role, sha256")
+            tenant, role, sha = row.get("tenant"), row.get("role", "user"), row.get("sha256")
+            if not isinstance(tenant, str) or not tenant or len(tenant) > 64:
+                raise AuthConfigError(f"{where}: 'tenant' must be a name of 1-64 characters")
+            if role not in ROLES:
+                raise AuthConfigError(f"{where}: 'role' must be one of {list(ROLES)}")
+            if not isinstance(sha, str) or len(sha) != 64 or not _is_hex(sha):
+                raise AuthConfigError(f"{where}: 'sha256' must be 64 hex digits")
+            entries[sha.lower()] = Identity(tenant, role)
+        if not entries:
+            raise AuthConfigError(
+                f"tokens file {path} holds no tokens; add one with `slicewise token add "
+                f"--tokens-file {path} --tenant NAME`"
+            )
+        return cls(entries)
+
+    def identify(self, token: str) -> Identity | None:
+        """The identity of `token`, or None. Compares digests in constant time."""
+        wanted = digest(token)
+        found = None
+        for known, identity in self._by_digest.items():
+            if hmac.compare_digest(known, wanted):
+                found = identity
+        return found
+
+
+def _is_hex(text: str) -> bool:
+    try:
+        int(text, 16)
+    except ValueError:
+        return False
+    return True
+
+
+def add_token(path: str | Path, tenant: str, role: str = "user") -> str:
+    """Makes a token for `tenant`, appends its digest to the tokens file (created with
+    mode 0600 if missing) and returns the token, which is stored nowhere else.
+
+    Raises:
+        AuthConfigError: a bad tenant name or role.
+    """
+    if not tenant or len(tenant) > 64 or not tenant.isprintable():
+        raise AuthConfigError("a tenant is a printable name of 1-64 characters")
+    if role not in ROLES:
+        raise AuthConfigError(f"role {role!r} must be one of {list(ROLES)}")
+    token = new_token()
+    line = json.dumps({"tenant": tenant, "role": role, "sha256": digest(token)})
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    with os.fdopen(fd, "a") as out:
+        out.write(line + "\n")
+    return token
+
+
+def bearer(metadata: Any) -> str | None:
+    """The token of an `authorization: Bearer <token>` entry of invocation metadata."""
+    for key, value in metadata or ():
+        if key == METADATA_KEY and isinstance(value, str) and value.startswith("Bearer "):
+            return value[len("Bearer ") :].strip()
+    return None
+
+
+def is_loopback(host: str) -> bool:
+    """Whether a listen address reaches this machine only ("localhost", 127.0.0.0/8, ::1).
+    Names other than "localhost" count as not loopback: they may resolve to anything."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+class AuthInterceptor(grpc.aio.ServerInterceptor):
+    """Lets a call through only with a known bearer token, and runs its handler with the
+    caller as `current_identity()`."""
+
+    def __init__(self, table: TokenTable) -> None:
+        self.table = table
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        handler = await continuation(details)
+        if handler is None:
+            return handler
+        token = bearer(details.invocation_metadata)
+        identity = self.table.identify(token) if token else None
+        if identity is None:
+            why = "no bearer token" if not token else "an unknown bearer token"
+            return _refuse(handler, f"the call has {why}; pass token= or set ${TOKEN_ENV}")
+        return _as(handler, identity)
+
+
+def _as(handler: grpc.RpcMethodHandler, identity: Identity) -> grpc.RpcMethodHandler:
+    """`handler` with `identity` set as the caller while its behaviour runs."""
+
+    def wrap(behaviour: Callable[..., Any], streaming_out: bool) -> Callable[..., Any]:
+        if streaming_out:
+
+            async def stream(request: Any, context: Any) -> Any:
+                _current.set(identity)
+                async for item in behaviour(request, context):
+                    yield item
+
+            return stream
+
+        async def unary(request: Any, context: Any) -> Any:
+            _current.set(identity)
+            return await behaviour(request, context)
+
+        return unary
+
+    return _rebuild(handler, wrap)
+
+
+def _refuse(handler: grpc.RpcMethodHandler, message: str) -> grpc.RpcMethodHandler:
+    def wrap(_behaviour: Callable[..., Any], streaming_out: bool) -> Callable[..., Any]:
+        if streaming_out:
+
+            async def stream(request: Any, context: Any) -> Any:
+                await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+                yield  # pragma: no cover - abort raises
+
+            return stream
+
+        async def unary(request: Any, context: Any) -> Any:
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+
+        return unary
+
+    return _rebuild(handler, wrap)
+
+
+def _rebuild(
+    handler: grpc.RpcMethodHandler, wrap: Callable[[Callable[..., Any], bool], Callable[..., Any]]
+) -> grpc.RpcMethodHandler:
+    """The same kind of method handler with its behaviour replaced by `wrap(behaviour,
+    streams_responses)`."""
+    codec = {
+        "request_deserializer": handler.request_deserializer,
+        "response_serializer": handler.response_serializer,
+    }
+    if handler.unary_unary:
+        return grpc.unary_unary_rpc_method_handler(wrap(handler.unary_unary, False), **codec)
+    if handler.unary_stream:
+        return grpc.unary_stream_rpc_method_handler(wrap(handler.unary_stream, True), **codec)
+    if handler.stream_unary:
+        return grpc.stream_unary_rpc_method_handler(wrap(handler.stream_unary, False), **codec)
+    return grpc.stream_stream_rpc_method_handler(wrap(handler.stream_stream, True), **codec)
