@@ -987,6 +987,7 @@ class JobRunner:
         placement = None if by_slice is None else plan(by_slice, config.rebalance_min_gain)
         if placement is None:
             return state_handles
+        assert job.mesh is not None  # set when the start began
         order = await c.put_array(
             gang.gang_id, placement.order.astype(np.int32), ShardingSpec(job.mesh, ())
         )

@@ -108,9 +108,9 @@ def test_experts_split_across_two_slices_equal_one_device(
     )
     assert predicted.bytes > 0
     # (Packed sends a routing-dependent number of chunks: its prediction is a bound.)
-    assert strategy == "packed" or program_dcn_traffic(mesh.spec, program.exported.mlir_module()) == DcnTraffic(
-        2 * predicted.bytes, 2 * predicted.messages
-    )
+    assert strategy == "packed" or program_dcn_traffic(
+        mesh.spec, program.exported.mlir_module()
+    ) == DcnTraffic(2 * predicted.bytes, 2 * predicted.messages)
 
     y, stats, grads = jax.tree.map(
         lambda a: a.fetch(),
