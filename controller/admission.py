@@ -16,6 +16,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from controller.auth import may_see
 from controller.backend import ClusterBackend
 from controller.gang import LOST_POLL_S, Gang, SliceLostError
 from controller.gangstate import GangState, why_unusable
@@ -71,6 +72,8 @@ class GangManager:
         self._lost_poll_s = lost_poll_s
         self._next_id = next_id or itertools.count(1).__next__
         self._released: OrderedDict[str, str] = OrderedDict(gone or {})
+        # The tenant of every gang, kept (as long as why it went) after it is released.
+        self._tenants: dict[str, str] = {}
         self._waiters: dict[str, asyncio.Future[tuple[str, ...]]] = {}
         self.shared = SharedGangs(lambda gang: self.gangs.get(gang.gang_id) is gang)
         # Decisions about gangs that were still starting, carried out once they are up.
@@ -147,9 +150,10 @@ class GangManager:
             FailedPreconditionError: released; or, with `usable`, not able to run work now.
         """
         base, _, attachment = gang_id.partition("@")
-        gang = self.gangs.get(base)
+        seen = self.visible(base)  # another tenant's gang is as if it did not exist
+        gang = self.gangs.get(base) if seen else None
         if gang is None or (attachment and attachment not in gang.attachments):
-            why = self._released.get(gang_id) or self._released.get(base)
+            why = (self._released.get(gang_id) or self._released.get(base)) if seen else None
             if why is not None:
                 raise FailedPreconditionError(
                     f"gang {gang_id} {why}; allocate a new gang to run more work"
@@ -158,6 +162,12 @@ class GangManager:
         if usable:
             self.check_usable(gang, gang_id)
         return gang, attachment
+
+    def visible(self, gang_id: str) -> bool:
+        """Whether the caller may see the gang of an id (a gang, attachment or array id);
+        ids of gangs never made count as visible (they answer NOT_FOUND anyway)."""
+        tenant = self._tenants.get(gang_id.partition("@")[0].partition("/")[0])
+        return tenant is None or may_see(tenant)
 
     def get(self, gang_id: str, *, usable: bool = True) -> Gang:
         return self.resolve(gang_id, usable=usable)[0]
@@ -269,6 +279,7 @@ class GangManager:
                         lost_poll_s=self._lost_poll_s,
                     )
                     gang.priority = priority
+                    self._tenants[gang_id] = gang.tenant
                 try:
                     await gang.start(
                         self._slices(slice_names),
@@ -537,9 +548,10 @@ class GangManager:
         del self.gangs[base]
         self._released[base] = why  # calls during the stop learn why already
         while len(self._released) > 10_000:
-            self._released.popitem(last=False)
+            gone, _ = self._released.popitem(last=False)
+            self._tenants.pop(gone, None)
         if gang.shared_name:
-            self.shared.forget(gang.shared_name)
+            self.shared.forget(gang)
         self._deferred.pop(base, None)
         await gang.stop(GangState.RELEASED, why)
         self._on_released(gang, why)

@@ -10,6 +10,7 @@ import asyncio
 import enum
 import itertools
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -63,6 +64,10 @@ class ArrayTable:
         self._records: dict[str, ArrayRecord] = {}
         self._forgotten: OrderedDict[str, str] = OrderedDict()
         self._ids = itertools.count(1)
+        # Whether the caller may see the arrays of a gang (by id); the controller sets it
+        # to its tenants' rule (controller/auth.py). Another tenant's arrays answer as
+        # unknown ones do.
+        self.visible: Callable[[str], bool] = lambda gang_id: True
 
     def __len__(self) -> int:
         return len(self._records)
@@ -81,9 +86,9 @@ class ArrayTable:
             NotFoundError: never known, deleted, or its gang was released.
         """
         record = self._records.get(handle)
-        if record is not None:
+        if record is not None and self.visible(record.gang_id):
             return record
-        why = self._forgotten.get(handle)
+        why = self._forgotten.get(handle) if record is None and self.visible(handle) else None
         if why is not None:
             raise NotFoundError(f"array {handle} {why}")
         raise NotFoundError(f"array handle {handle!r} is unknown to this controller")

@@ -63,10 +63,22 @@ LOCAL = Identity("local", "admin")
 _current: contextvars.ContextVar[Identity] = contextvars.ContextVar("identity", default=LOCAL)
 
 
+def run_as(identity: Identity) -> None:
+    """Makes `identity` the caller for the rest of this task (e.g. a job's own task)."""
+    _current.set(identity)
+
+
 def current_identity() -> Identity:
     """The caller of the RPC being handled (LOCAL when the controller does not
     authenticate)."""
     return _current.get()
+
+
+def may_see(tenant: str) -> bool:
+    """Whether the caller may see (and act on) what `tenant` made: its own, or anything
+    for an admin. What it may not see answers NOT_FOUND, exactly as what does not exist."""
+    caller = current_identity()
+    return caller.admin or caller.tenant == tenant
 
 
 def digest(token: str) -> str:

@@ -112,6 +112,7 @@ class Controller:
             next_id=(lambda: journal.next_number("gang")) if journal else None,
             gone=self._lost_gangs(journal) if journal else None,
         )
+        self.arrays.visible = self.manager.visible  # tenants see only their gangs' arrays
         self.journal = journal
         # Worker timelines of released gangs, so a trace can still be taken afterwards.
         self._archived_spans: OrderedDict[str, list[tuple[str, list[Span]]]] = OrderedDict()

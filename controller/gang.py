@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 
 from controller import datalink, metrics
+from controller.auth import current_identity
 from controller.backend import (
     Channel,
     ClusterBackend,
@@ -77,6 +78,8 @@ class Gang:
     ) -> None:
         self.gang_id = gang_id
         self.client = client
+        # The tenant that allocated it (controller/auth.py); only it and admins see it.
+        self.tenant = current_identity().tenant
         self.slice_type = stype
         self.slices: list[Slice] = []
         self.shape = GangShape(num_slices, stype.hosts, stype.chips_per_host)

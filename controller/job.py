@@ -116,6 +116,8 @@ class JobSpec:
     peer_recovery: bool = False
     # Preemptions it yields to and resumes from before it fails (None: no limit).
     max_preemptions: int | None = None
+    # The tenant that submitted it (controller/auth.py): only it (and admins) see it.
+    tenant: str = "local"
 
     def __post_init__(self) -> None:
         if self.checkpoint_every < 0:
@@ -225,6 +227,7 @@ class JobSpec:
             "elastic_min_slices": self.elastic_min_slices,
             "peer_recovery": self.peer_recovery,
             "max_preemptions": self.max_preemptions,
+            "tenant": self.tenant,
         }
 
 
@@ -381,6 +384,8 @@ def _spec_from_json(data: Mapping[str, Any]) -> JobSpec:
         data.get("elastic_min_slices", 0),
         data.get("peer_recovery", False),
         data.get("max_preemptions"),
+        # Jobs journalled before tenants existed were the local admin's.
+        data.get("tenant", "local"),
     )
 
 

@@ -52,6 +52,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import numpy as np
 
 from controller import chaos, dcn, metrics
+from controller.auth import Identity, may_see, run_as
 from controller.checkpoints import resume_step, save_steps, yield_save
 from controller.dcn import DcnMeter
 from controller.gang import failpoint
@@ -263,8 +264,17 @@ class JobRunner:
                     f"cancel it (`slicewise cancel {other.job_id}`)"
                 )
 
-    def get(self, job_id: str) -> Job:
+    def find(self, job_id: str) -> Job | None:
+        """The job, if there is one the caller may see."""
         job = self.jobs.get(job_id)
+        return job if job is not None and may_see(job.spec.tenant) else None
+
+    def visible(self) -> list[Job]:
+        """The jobs the caller may see, in submission order."""
+        return [j for j in self.jobs.values() if may_see(j.spec.tenant)]
+
+    def get(self, job_id: str) -> Job:
+        job = self.find(job_id)
         if job is None:
             raise NotFoundError(
                 f"job {job_id!r} is unknown to this controller; `slicewise jobs` lists the jobs"
@@ -378,6 +388,9 @@ class JobRunner:
         self._publish(job, message=message or state.value)
 
     async def _run(self, job: Job) -> None:
+        # What the job makes (its gangs, arrays, programs) is its tenant's, also when it
+        # resumes after a restart of the controller.
+        run_as(Identity(job.spec.tenant))
         set_log_context(job=job.job_id)
         gang = None
         events = None

@@ -7,6 +7,7 @@ import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from controller.auth import current_identity, may_see
 from slicewise.common.arrays import ArraySpec
 from slicewise.common.errors import InvalidRequestError, NotFoundError, ProgramMismatchError
 from slicewise.common.limits import MAX_PROGRAM_BYTES
@@ -154,15 +155,21 @@ class ProgramRegistry:
 
     def __init__(self) -> None:
         self._programs: dict[str, Program] = {}
+        # The tenants that registered each program: a program is theirs (and admins'),
+        # and another tenant's id answers as an unknown one does (controller/auth.py).
+        self._tenants: dict[str, set[str]] = {}
 
     def __len__(self) -> int:
         return len(self._programs)
 
     def add(self, program: Program) -> Program:
+        self._tenants.setdefault(program.program_id, set()).add(current_identity().tenant)
         return self._programs.setdefault(program.program_id, program)
 
     def get(self, program_id: str) -> Program:
         try:
+            if not any(may_see(t) for t in self._tenants.get(program_id, ())):
+                raise KeyError(program_id)
             return self._programs[program_id]
         except KeyError:
             raise NotFoundError(

@@ -20,6 +20,7 @@ import grpc
 import numpy as np
 
 from controller import messages, metrics
+from controller.auth import current_identity, may_see
 from controller.core import VERSION, Controller
 from controller.gang import Gang, worker_name
 from controller.job import (
@@ -267,6 +268,8 @@ class ControllerServicer(pb_grpc.ControllerServicer):
             )
         info.slice_types.extend(sorted({s.type.name for s in c.scheduler.inventory.values()}))
         for gang in c.gangs.values():
+            if not may_see(gang.tenant):
+                continue
             info.gangs.append(
                 pb.GangSummary(
                     gang_id=gang.gang_id,
@@ -497,7 +500,7 @@ class ControllerServicer(pb_grpc.ControllerServicer):
         self, request: pb.GetTraceRequest, context: Any
     ) -> AsyncIterator[pb.TraceChunk]:
         gang_id = request.id
-        job = self.jobs.jobs.get(request.id)
+        job = self.jobs.find(request.id)
         if job is not None:  # a job's timeline is its gang's
             if not job.gang_id:
                 raise FailedPreconditionError(
@@ -547,6 +550,7 @@ class ControllerServicer(pb_grpc.ControllerServicer):
             max_preemptions=(
                 request.max_preemptions if request.HasField("max_preemptions") else None
             ),
+            tenant=current_identity().tenant,
         )
         return messages.job_to_pb(self.jobs.submit(spec))
 
@@ -556,7 +560,7 @@ class ControllerServicer(pb_grpc.ControllerServicer):
 
     @_unary
     async def ListJobs(self, request: pb.ListJobsRequest, context: Any) -> pb.ListJobsResponse:
-        return pb.ListJobsResponse(jobs=[messages.job_to_pb(j) for j in self.jobs.jobs.values()])
+        return pb.ListJobsResponse(jobs=[messages.job_to_pb(j) for j in self.jobs.visible()])
 
     @_unary
     async def CancelJob(self, request: pb.CancelJobRequest, context: Any) -> pb.JobInfo:

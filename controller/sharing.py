@@ -13,6 +13,7 @@ import itertools
 import logging
 from collections.abc import Awaitable, Callable
 
+from controller.auth import current_identity
 from controller.gang import Gang
 from slicewise.common.errors import DeadlineError, InvalidRequestError
 from slicewise.common.topology import slice_type
@@ -21,27 +22,29 @@ log = logging.getLogger(__name__)
 
 
 class SharedGangs:
-    """The shared gangs by name, and the attachments of clients to them."""
+    """The shared gangs by name, and the attachments of clients to them. Names are per
+    tenant (controller/auth.py): two tenants' "pool" are two gangs."""
 
     def __init__(self, is_live: Callable[[Gang], bool]) -> None:
         self._is_live = is_live  # whether a gang is still held (not released)
-        # name -> the gang of that name (a future while it is being created)
-        self._by_name: dict[str, asyncio.Future[Gang]] = {}
+        # (tenant, name) -> the gang of that name (a future while it is being created)
+        self._by_name: dict[tuple[str, str], asyncio.Future[Gang]] = {}
         self._attach_ids = itertools.count(1)
 
     async def get_or_create(self, name: str, create: Callable[[], Awaitable[Gang]]) -> Gang:
-        """The shared gang `name`: the one being created or up already, else a new one
-        from `create()`."""
-        while (existing := self._by_name.get(name)) is not None:
+        """The caller's shared gang `name`: the one being created or up already, else a
+        new one from `create()`."""
+        key = (current_identity().tenant, name)
+        while (existing := self._by_name.get(key)) is not None:
             gang = await asyncio.shield(existing)
             if self._is_live(gang):
                 return gang
             await asyncio.sleep(0)  # released just now: its release frees the name
-        creating = self._by_name[name] = asyncio.get_running_loop().create_future()
+        creating = self._by_name[key] = asyncio.get_running_loop().create_future()
         try:
             gang = await create()
         except BaseException as exc:
-            del self._by_name[name]
+            del self._by_name[key]
             creating.set_exception(
                 exc
                 if isinstance(exc, Exception)
@@ -53,9 +56,9 @@ class SharedGangs:
         creating.set_result(gang)
         return gang
 
-    def forget(self, name: str) -> None:
-        """Frees the name of a gang being released."""
-        self._by_name.pop(name, None)
+    def forget(self, gang: Gang) -> None:
+        """Frees the name of a shared gang being released."""
+        self._by_name.pop((gang.tenant, gang.shared_name), None)
 
     def attach(
         self, gang: Gang, num_slices: int, slice_type_name: str, client: str, weight: float

@@ -1,6 +1,7 @@
 """A real controller that authenticates: bearer tokens from a tokens file, over mutual
-TLS with certificates the test makes; and one asked to listen beyond loopback without
-authentication, which refuses to start."""
+TLS with certificates the test makes; tenants that cannot see or touch each other's
+gangs, arrays, programs and jobs (an admin sees all); and a controller asked to listen
+beyond loopback without authentication, which refuses to start."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ import subprocess
 import sys
 
 import grpc
+import jax
+import numpy as np
 import pytest
 
 import slicewise
@@ -26,11 +29,12 @@ def secured(tmp_path_factory):
     directory = tmp_path_factory.mktemp("auth")
     tokens = directory / "tokens"
     token = add_token(tokens, "alice")
+    others = {"bob": add_token(tokens, "bob"), "ops": add_token(tokens, "ops", "admin")}
     certs = make_certificates(directory)
     proc = start_controller(
         tmp_path_factory,
         "auth-controller",
-        sim="1xv5litepod-1",
+        sim="2xv5litepod-1",
         extra_args=(
             "--tokens-file",
             str(tokens),
@@ -43,13 +47,19 @@ def secured(tmp_path_factory):
         ),
     )
     try:
-        yield proc, token, certs
+        yield proc, token, certs, others
     finally:
         assert proc.stop() == 0
 
 
+def as_tenant(secured, token):
+    proc, _, certs, _ = secured
+    mtls = {"tls_ca": certs.ca, "tls_cert": certs.client_cert, "tls_key": certs.client_key}
+    return slicewise.connect(proc.address, token=token, **mtls)
+
+
 def test_mutual_tls_and_a_token_get_in(secured):
-    proc, token, certs = secured
+    proc, token, certs, _ = secured
     mtls = {"tls_ca": certs.ca, "tls_cert": certs.client_cert, "tls_key": certs.client_key}
     with slicewise.connect(proc.address, token=token, **mtls) as client:
         assert client.cluster_info().slices
@@ -65,11 +75,54 @@ def test_mutual_tls_and_a_token_get_in(secured):
 
 
 def test_without_a_client_certificate_or_trust_there_is_no_connection(secured):
-    proc, token, certs = secured
+    proc, token, certs, _ = secured
     with pytest.raises(ConnectionError, match="TLS handshake"):
         slicewise.connect(proc.address, token=token, tls_ca=certs.ca, timeout=3)
     with pytest.raises(ConnectionError):
         slicewise.connect(proc.address, token=token, timeout=3)  # plain text to a TLS port
+
+
+def test_tenants_see_only_their_own_and_an_admin_sees_all(secured):
+    _, alice_token, _, others = secured
+    with (
+        as_tenant(secured, alice_token) as alice,
+        as_tenant(secured, others["bob"]) as bob,
+        as_tenant(secured, others["ops"]) as ops,
+    ):
+        gang = alice.allocate(1, "v5litepod-1", timeout=120)
+        mesh = gang.mesh()
+        x = gang.put(np.arange(8, dtype=np.float32), mesh.sharding())
+        double = gang.compile(jax.jit(lambda a: a * 2), x)
+        job = alice.submit_job("lm", slices=2, slice_type="v5litepod-4", steps=1)
+        own = bob.allocate(1, "v5litepod-1", timeout=120)
+        try:
+            stub = bob.stub
+            refused = {
+                "gang": lambda: stub.ReleaseGang(pb.ReleaseGangRequest(gang_id=gang.id)),
+                "array": lambda: list(stub.FetchArray(pb.FetchArrayRequest(handle=x.handle))),
+                "delete": lambda: stub.DeleteArrays(pb.DeleteArraysRequest(handles=[x.handle])),
+                "program": lambda: stub.Execute(
+                    pb.ExecuteRequest(gang_id=own.id, program_id=double.id, inputs=[])
+                ),
+                "job": lambda: stub.GetJob(pb.GetJobRequest(job_id=job.job_id)),
+                "cancel": lambda: stub.CancelJob(pb.CancelJobRequest(job_id=job.job_id)),
+            }
+            for what, call in refused.items():
+                with pytest.raises(grpc.RpcError) as info:
+                    call()
+                assert info.value.code() == grpc.StatusCode.NOT_FOUND, what
+                assert "alice" not in info.value.details(), what
+            assert job.job_id not in [j.job_id for j in bob.jobs()]
+            assert gang.id not in [g.gang_id for g in bob.cluster_info().gangs]
+            # Nothing of alice's changed: her array, program, gang and job are all there.
+            np.testing.assert_array_equal(double(x).fetch(), np.arange(8) * 2)
+            assert alice.job(job.job_id).job_id == job.job_id
+            # The admin sees everyone's.
+            assert {gang.id, own.id} <= {g.gang_id for g in ops.cluster_info().gangs}
+            assert ops.job(job.job_id).job_id == job.job_id
+        finally:
+            own.release()
+            gang.release()
 
 
 def test_no_controller_serves_beyond_loopback_without_authentication(tmp_path_factory):
