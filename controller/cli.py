@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 
 DEFAULT_ADDRESS = "127.0.0.1:50051"
@@ -38,12 +39,24 @@ def _controller(args: argparse.Namespace) -> int:
                 step_timeout_s=args.step_timeout,
                 allow_chaos=args.allow_chaos,
                 compilation_cache_dir=args.compilation_cache,
+                data_roots=_data_roots(args),
             ),
         )
     except ValueError as exc:
         print(f"slicewise controller: {exc}", file=sys.stderr)
         return 2
     return run(config)
+
+
+def _data_roots(args: argparse.Namespace) -> tuple[str, ...] | None:
+    """--data-root directories (absolute, existing); none given: every path for a local
+    controller, only the stdlib corpus for one that authenticates."""
+    if not args.data_root:
+        return None if args.insecure_local else ()
+    for root in args.data_root:
+        if not (os.path.isabs(root) and os.path.isdir(root)):
+            raise ValueError(f"--data-root {root!r} must be an absolute path to a directory")
+    return tuple(args.data_root)
 
 
 def _token_add(args: argparse.Namespace) -> int:
@@ -331,6 +344,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--insecure-local",
         action="store_true",
         help="serve without authentication; only on a loopback --host",
+    )
+    auth.add_argument(
+        "--data-root",
+        action="append",
+        metavar="DIR",
+        help="a directory jobs may read data (corpus globs) from; repeatable (default: "
+        "anywhere with --insecure-local, only the stdlib corpus otherwise)",
     )
     auth.add_argument("--tls-cert", metavar="PEM", help="serve TLS with this certificate chain")
     auth.add_argument("--tls-key", metavar="PEM", help="the private key of --tls-cert")

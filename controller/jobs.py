@@ -54,6 +54,7 @@ import numpy as np
 from controller import chaos, dcn, metrics
 from controller.auth import Identity, may_see, run_as
 from controller.checkpoints import resume_step, save_steps, yield_save
+from controller.dataroots import check_corpus
 from controller.dcn import DcnMeter
 from controller.gang import failpoint
 from controller.gangstate import GangState
@@ -226,7 +227,10 @@ class JobRunner:
                 "the controller is shutting down; submit the job again once it is back"
             )
         program = get_program(spec.program)
-        program.make_config(dict(spec.overrides))
+        config = program.make_config(dict(spec.overrides))
+        corpus = getattr(config, "corpus", None)
+        if corpus is not None:
+            check_corpus(corpus, self.controller.options.data_roots)
         lookup_slice_type(spec.slice_type)
         if spec.gang_id:
             self._check_gang_free(spec.gang_id)

@@ -34,6 +34,8 @@ class ControllerOptions:
             instead of compiling them again (seconds of a recovery on CPU; minutes for
             a large model on TPU). A filesystem path on every host (each worker keeps its
             own executables there, see worker/executables.py).
+        data_roots: the directories jobs may read data from (controller/dataroots.py);
+            () allows only the "stdlib" corpus, None every path (--insecure-local).
     """
 
     worker_window: int = 3
@@ -50,6 +52,7 @@ class ControllerOptions:
     step_timeout_s: float = 20.0
     allow_chaos: bool = False
     compilation_cache_dir: str = ""
+    data_roots: tuple[str, ...] | None = None
 
     def __post_init__(self) -> None:
         for name in _COUNTS:

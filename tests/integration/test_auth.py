@@ -31,6 +31,9 @@ def secured(tmp_path_factory):
     token = add_token(tokens, "alice")
     others = {"bob": add_token(tokens, "bob"), "ops": add_token(tokens, "ops", "admin")}
     certs = make_certificates(directory)
+    data = directory / "data"
+    data.mkdir()
+    (data / "a.txt").write_text("hello " * 100)
     proc = start_controller(
         tmp_path_factory,
         "auth-controller",
@@ -44,8 +47,11 @@ def secured(tmp_path_factory):
             certs.server_key,
             "--tls-client-ca",
             certs.ca,
+            "--data-root",
+            str(data),
         ),
     )
+    proc.data_root = data
     try:
         yield proc, token, certs, others
     finally:
@@ -123,6 +129,26 @@ def test_tenants_see_only_their_own_and_an_admin_sees_all(secured):
         finally:
             own.release()
             gang.release()
+
+
+def test_jobs_read_data_only_under_the_data_roots(secured):
+    proc, token, _, _ = secured
+    with as_tenant(secured, token) as alice:
+        inside = alice.submit_job(
+            "lm",
+            slices=2,
+            slice_type="v5litepod-4",
+            steps=1,
+            overrides={"corpus": f"{proc.data_root}/*.txt"},
+        )
+        assert alice.job(inside.job_id).job_id == inside.job_id
+        alice.cancel_job(inside.job_id)
+        for spec in ("/etc/*", f"{proc.data_root}/../*", "/etc/passwd"):
+            with pytest.raises(SlicewiseError, match="reaches outside the data roots") as info:
+                alice.submit_job(
+                    "lm", slices=2, slice_type="v5litepod-4", steps=1, overrides={"corpus": spec}
+                )
+            assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT
 
 
 def test_no_controller_serves_beyond_loopback_without_authentication(tmp_path_factory):
