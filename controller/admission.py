@@ -16,7 +16,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from controller.auth import may_see
+from controller.auth import Caps, current_identity, may_see
 from controller.backend import ClusterBackend
 from controller.gang import LOST_POLL_S, Gang, SliceLostError
 from controller.gangstate import GangState, why_unusable
@@ -34,6 +34,7 @@ from controller.scheduler import (
 )
 from controller.sharing import SharedGangs
 from slicewise.common.errors import (
+    CapacityError,
     DeadlineError,
     FailedPreconditionError,
     InvalidRequestError,
@@ -80,6 +81,10 @@ class GangManager:
         self._deferred: dict[str, list[Preempt | ForceRelease]] = {}
         self._resuming: dict[str, asyncio.Task[None]] = {}
         self._allocating: set[str] = set()  # requests of allocations under way
+        # Per-tenant caps (controller/auth.py), and the chips each allocation under way
+        # asks for, by gang id: (tenant, chips).
+        self.caps: dict[str, Caps] = {}
+        self._asking: dict[str, tuple[str, int]] = {}
         # Ray nodes found gone (their raylet does not answer) before Ray noticed.
         self._lost_nodes: set[str] = set()
         self._refresher: asyncio.Task[None] | None = None
@@ -163,6 +168,38 @@ class GangManager:
             self.check_usable(gang, gang_id)
         return gang, attachment
 
+    def _check_caps(self, chips: int, priority: int) -> None:
+        """Raises if the caller's tenant may not ask for `chips` more at `priority`.
+
+        Raises:
+            CapacityError: past its cap on priority, chips held or asked for, or
+                allocations waiting; the message says what is in use.
+        """
+        tenant = current_identity().tenant
+        caps = self.caps.get(tenant)
+        if caps is None:
+            return
+        if caps.max_priority is not None and priority > caps.max_priority:
+            raise CapacityError(
+                f"tenant {tenant!r} may ask for priority up to {caps.max_priority}, not {priority}"
+            )
+        asking = [n for t, n in self._asking.values() if t == tenant]
+        if caps.max_queued is not None and len(asking) >= caps.max_queued:
+            raise CapacityError(
+                f"tenant {tenant!r} has {len(asking)} allocation(s) under way, its cap "
+                f"(max_queued {caps.max_queued}); wait for one to finish or give up"
+            )
+        held = sum(
+            g.shape.num_slices * g.shape.hosts_per_slice * g.shape.chips_per_host
+            for g in self.gangs.values()
+            if g.tenant == tenant and g.gang_id not in self._asking
+        )
+        if caps.max_chips is not None and held + sum(asking) + chips > caps.max_chips:
+            raise CapacityError(
+                f"tenant {tenant!r} holds {held} chips and is allocating {sum(asking)} more, "
+                f"of its cap of {caps.max_chips}; this asks for {chips}: release a gang first"
+            )
+
     def visible(self, gang_id: str) -> bool:
         """Whether the caller may see the gang of an id (a gang, attachment or array id);
         ids of gangs never made count as visible (they answer NOT_FOUND anyway)."""
@@ -241,7 +278,10 @@ class GangManager:
                 "type at a time (alternatives without mixed types)"
             )
         timeout_s = timeout_s or self.options.allocate_timeout_s
+        chips = num_slices * stype.chips
+        self._check_caps(chips, priority)
         gang_id = f"g{self._next_id()}"
+        self._asking[gang_id] = (current_identity().tenant, chips)
         request = GangRequest(
             gang_id,
             num_slices,
@@ -307,6 +347,7 @@ class GangManager:
             raise
         finally:
             self._allocating.discard(gang_id)
+            self._asking.pop(gang_id, None)
         assert gang is not None  # the loop breaks only once it started
         self._carry_out_deferred(gang)
         return gang, gang_id

@@ -107,6 +107,10 @@ class ArrayTable:
             self._forget(handle, f"belonged to gang {gang_id}, which {why}")
         return len(dropped)
 
+    def nbytes(self, gang_ids: set[str]) -> int:
+        """The bytes of the live arrays of these gangs (logical sizes, one copy each)."""
+        return sum(r.spec.nbytes for r in self._records.values() if r.gang_id in gang_ids)
+
     def count(self, gang_id: str) -> int:
         return sum(1 for r in self._records.values() if r.gang_id == gang_id)
 

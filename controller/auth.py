@@ -4,12 +4,18 @@ A controller that owns a cluster is reachable over the network, so it authentica
 default. Each tenant has one or more bearer tokens; the controller keeps only their
 SHA-256 digests, in a tokens file of one JSON object per line:
 
-    {"tenant": "alice", "role": "user", "sha256": "9f86d0..."}
+    {"tenant": "alice", "role": "user", "sha256": "9f86d0...",
+     "caps": {"max_chips": 64, "max_priority": 5, "max_queued": 4, "max_bytes": 1e12}}
 
 `slicewise token add --tokens-file F --tenant alice` makes a token (32 random bytes,
 URL-safe base64), appends its digest and prints the token once. A token has that much
 entropy, so a plain digest is as good as a slow password hash here, and a stolen tokens
 file gives no usable token. Roles: "user", or "admin" (sees and acts on everything).
+
+`caps` (optional; a tenant's caps are those of its first line that gives them) bound what
+a tenant may hold at once: chips over its gangs, the priority it may ask for, allocation
+requests waiting, and bytes of arrays on its gangs. Past one, a request gets
+RESOURCE_EXHAUSTED saying what is in use (controller/admission.py, controller/core.py).
 
 Clients send `authorization: Bearer <token>` metadata (`slicewise.connect(token=...)` or
 $SLICEWISE_TOKEN). `AuthInterceptor` checks it before any handler runs and answers
@@ -28,6 +34,7 @@ import hashlib
 import hmac
 import ipaddress
 import json
+import math
 import os
 import secrets
 from collections.abc import Awaitable, Callable
@@ -44,6 +51,19 @@ ROLES = ("user", "admin")
 
 class AuthConfigError(ValueError):
     """A tokens file or authentication setting that cannot be used; the message says why."""
+
+
+CAPS = ("max_chips", "max_priority", "max_queued", "max_bytes")
+
+
+@dataclass(frozen=True)
+class Caps:
+    """What a tenant may hold at once; None: no cap."""
+
+    max_chips: int | None = None
+    max_priority: int | None = None
+    max_queued: int | None = None
+    max_bytes: int | None = None
 
 
 @dataclass(frozen=True)
@@ -92,8 +112,9 @@ def new_token() -> str:
 class TokenTable:
     """The tokens a controller accepts, by digest."""
 
-    def __init__(self, entries: dict[str, Identity]) -> None:
+    def __init__(self, entries: dict[str, Identity], caps: dict[str, Caps] | None = None) -> None:
         self._by_digest = dict(entries)
+        self.caps: dict[str, Caps] = dict(caps or {})
 
     def __len__(self) -> int:
         return len(self._by_digest)
@@ -111,6 +132,7 @@ class TokenTable:
         except OSError as exc:
             raise AuthConfigError(f"cannot read tokens file {path}: {exc.strerror}") from None
         entries: dict[str, Identity] = {}
+        caps: dict[str, Caps] = {}
         for number, line in enumerate(text.splitlines(), 1):
             if not line.strip() or line.lstrip().startswith("#"):
                 continue
@@ -129,12 +151,14 @@ class TokenTable:
             if not isinstance(sha, str) or len(sha) != 64 or not _is_hex(sha):
                 raise AuthConfigError(f"{where}: 'sha256' must be 64 hex digits")
             entries[sha.lower()] = Identity(tenant, role)
+            if "caps" in row and tenant not in caps:
+                caps[tenant] = _caps(row["caps"], where)
         if not entries:
             raise AuthConfigError(
                 f"tokens file {path} holds no tokens; add one with `slicewise token add "
                 f"--tokens-file {path} --tenant NAME`"
             )
-        return cls(entries)
+        return cls(entries, caps)
 
     def identify(self, token: str) -> Identity | None:
         """The identity of `token`, or None. Compares digests in constant time."""
@@ -146,6 +170,16 @@ class TokenTable:
         return found
 
 
+def _caps(value: Any, where: str) -> Caps:
+    if not isinstance(value, dict) or set(value) - set(CAPS):
+        raise AuthConfigError(f"{where}: 'caps' must be an object with some of {list(CAPS)}")
+    for name, cap in value.items():
+        number = isinstance(cap, int | float) and not isinstance(cap, bool)
+        if not number or not math.isfinite(cap) or cap < 0:
+            raise AuthConfigError(f"{where}: caps.{name} must be a number >= 0, got {cap!r}")
+    return Caps(**{name: int(cap) for name, cap in value.items()})
+
+
 def _is_hex(text: str) -> bool:
     try:
         int(text, 16)
@@ -154,19 +188,26 @@ def _is_hex(text: str) -> bool:
     return True
 
 
-def add_token(path: str | Path, tenant: str, role: str = "user") -> str:
-    """Makes a token for `tenant`, appends its digest to the tokens file (created with
-    mode 0600 if missing) and returns the token, which is stored nowhere else.
+def add_token(
+    path: str | Path, tenant: str, role: str = "user", caps: dict[str, int] | None = None
+) -> str:
+    """Makes a token for `tenant`, appends its digest (and `caps`, see `Caps`) to the
+    tokens file (created with mode 0600 if missing) and returns the token, which is
+    stored nowhere else.
 
     Raises:
-        AuthConfigError: a bad tenant name or role.
+        AuthConfigError: a bad tenant name, role or cap.
     """
     if not tenant or len(tenant) > 64 or not tenant.isprintable():
         raise AuthConfigError("a tenant is a printable name of 1-64 characters")
     if role not in ROLES:
         raise AuthConfigError(f"role {role!r} must be one of {list(ROLES)}")
+    row: dict[str, Any] = {"tenant": tenant, "role": role}
+    if caps:
+        _caps(caps, "caps")  # checked before anything is written
+        row["caps"] = caps
     token = new_token()
-    line = json.dumps({"tenant": tenant, "role": role, "sha256": digest(token)})
+    line = json.dumps({**row, "sha256": digest(token)})
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
     with os.fdopen(fd, "a") as out:
         out.write(line + "\n")

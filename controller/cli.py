@@ -63,7 +63,13 @@ def _token_add(args: argparse.Namespace) -> int:
     from controller.auth import TOKEN_ENV, AuthConfigError, add_token
 
     try:
-        token = add_token(args.tokens_file, args.tenant, "admin" if args.admin else "user")
+        caps = {
+            name: getattr(args, name)
+            for name in ("max_chips", "max_priority", "max_queued", "max_bytes")
+            if getattr(args, name) is not None
+        }
+        role = "admin" if args.admin else "user"
+        token = add_token(args.tokens_file, args.tenant, role, caps)
     except (AuthConfigError, OSError) as exc:
         print(f"slicewise token: {exc}", file=sys.stderr)
         return 2
@@ -439,6 +445,13 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--tokens-file", required=True, metavar="FILE")
     t.add_argument("--tenant", required=True)
     t.add_argument("--admin", action="store_true", help="the token sees and acts on everything")
+    for cap, what in (
+        ("max-chips", "chips its gangs may hold and ask for at once"),
+        ("max-priority", "the highest priority it may ask for"),
+        ("max-queued", "allocations it may have under way at once"),
+        ("max-bytes", "bytes of arrays on its gangs"),
+    ):
+        t.add_argument(f"--{cap}", type=int, metavar="N", help=f"cap: {what}")
     t.set_defaults(func=_token_add)
 
     p = sub.add_parser("trace", help="write a gang's or job's timeline as Chrome/Perfetto JSON")

@@ -409,6 +409,7 @@ class Controller:
                 f"{_size(chips * HBM_BYTES_PER_CHIP)} in all); split it over more mesh axes, "
                 "or upload it as smaller arrays"
             )
+        self._check_bytes_cap(gang, spec)
         try:
             buffer = np.empty(spec.nbytes, dtype=np.uint8)
         except MemoryError:
@@ -417,6 +418,21 @@ class Controller:
                 "to split it over the gang; upload it as smaller arrays"
             ) from None
         return PutTarget(gang, client, spec, sharding, buffer)
+
+    def _check_bytes_cap(self, gang: Gang, spec: ArraySpec) -> None:
+        """Raises CapacityError if the upload would take the gang's tenant past its cap on
+        bytes of arrays on its gangs (controller/auth.py)."""
+        caps = self.manager.caps.get(gang.tenant)
+        if caps is None or caps.max_bytes is None:
+            return
+        gangs = {g.gang_id for g in self.gangs.values() if g.tenant == gang.tenant}
+        used = self.arrays.nbytes(gangs)
+        if used + spec.nbytes > caps.max_bytes:
+            raise CapacityError(
+                f"tenant {gang.tenant!r} has {_size(used)} of arrays on its gangs, of its cap "
+                f"of {_size(caps.max_bytes)}; this upload adds {_size(spec.nbytes)}: delete "
+                "arrays first"
+            )
 
     async def finish_put(self, target: PutTarget) -> ArrayRecord:
         """Splits a received array into per-host pieces and queues it to the workers."""

@@ -188,9 +188,9 @@ def run(config: ServerConfig) -> int:
         log.info("controller stopped")
 
 
-def _security(config: ServerConfig) -> tuple[list[Any], Any]:
-    """The server's interceptors (authentication) and port credentials (TLS; None for a
-    plain port).
+def _security(config: ServerConfig) -> tuple[list[Any], Any, dict[str, Any]]:
+    """The server's interceptors (authentication), port credentials (TLS; None for a
+    plain port) and the tenants' caps.
 
     Raises:
         AuthConfigError: the tokens file cannot be used.
@@ -201,20 +201,22 @@ def _security(config: ServerConfig) -> tuple[list[Any], Any]:
     from controller.auth import AuthInterceptor, TokenTable
 
     interceptors: list[Any] = []
+    caps: dict[str, Any] = {}
     if config.tokens_file:
         table = TokenTable.load(config.tokens_file)
         log.info("authenticating calls: %d token(s) from %s", len(table), config.tokens_file)
         interceptors.append(AuthInterceptor(table))
+        caps = table.caps
     else:
         log.warning("serving WITHOUT authentication on loopback %s (--insecure-local)", config.host)
     if not config.tls_cert:
-        return interceptors, None
+        return interceptors, None, caps
     key, chain = Path(str(config.tls_key)).read_bytes(), Path(config.tls_cert).read_bytes()
     ca = Path(config.tls_client_ca).read_bytes() if config.tls_client_ca else None
     credentials = grpc.ssl_server_credentials(
         [(key, chain)], root_certificates=ca, require_client_auth=ca is not None
     )
-    return interceptors, credentials
+    return interceptors, credentials, caps
 
 
 def _stop_at_stdin_eof(loop: asyncio.AbstractEventLoop, stop: asyncio.Event) -> None:
@@ -231,7 +233,7 @@ async def _serve(
     simulation: SimulationProcess | None,
     ray_address: str,
     state_dir: str,
-    security: tuple[list[Any], Any],
+    security: tuple[list[Any], Any, dict[str, Any]],
 ) -> int:
     import grpc
 
@@ -246,7 +248,8 @@ async def _serve(
     controller.simulation = simulation
     await controller.start()
     jobs = JobRunner(controller, journal, state_dir)
-    interceptors, credentials = security
+    interceptors, credentials, caps = security
+    controller.manager.caps = caps
     # Authentication first: a call without a known token is refused before anything else.
     server = grpc.aio.server(interceptors=[*interceptors, TolerantParsing()])
     pb_grpc.add_ControllerServicer_to_server(

@@ -29,7 +29,10 @@ def secured(tmp_path_factory):
     directory = tmp_path_factory.mktemp("auth")
     tokens = directory / "tokens"
     token = add_token(tokens, "alice")
-    others = {"bob": add_token(tokens, "bob"), "ops": add_token(tokens, "ops", "admin")}
+    others = {
+        "bob": add_token(tokens, "bob", caps={"max_chips": 1, "max_bytes": 1024}),
+        "ops": add_token(tokens, "ops", "admin"),
+    }
     certs = make_certificates(directory)
     data = directory / "data"
     data.mkdir()
@@ -119,6 +122,15 @@ def test_tenants_see_only_their_own_and_an_admin_sees_all(secured):
                 assert info.value.code() == grpc.StatusCode.NOT_FOUND, what
                 assert "alice" not in info.value.details(), what
             assert job.job_id not in [j.job_id for j in bob.jobs()]
+            # Bob's caps: one chip, 1 KiB of arrays.
+            own.put(np.zeros(128, np.float32), own.mesh().sharding())  # 512 B
+            for what, call in (
+                ("chips", lambda: bob.allocate(1, "v5litepod-1", timeout=30)),
+                ("bytes", lambda: own.put(np.zeros(256, np.float32), own.mesh().sharding())),
+            ):
+                with pytest.raises(SlicewiseError, match="of its cap of") as info:
+                    call()
+                assert info.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED, what
             assert gang.id not in [g.gang_id for g in bob.cluster_info().gangs]
             # Nothing of alice's changed: her array, program, gang and job are all there.
             np.testing.assert_array_equal(double(x).fetch(), np.arange(8) * 2)
