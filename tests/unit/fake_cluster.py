@@ -10,6 +10,8 @@ import time
 from types import SimpleNamespace
 from typing import Any
 
+import grpc
+
 from controller.backend import HostBundle, Reservation, Worker, WorkerSpec
 from controller.simcluster import host_labels, host_resources, slice_names
 from slicewise.common.framing import ChannelError
@@ -235,3 +237,18 @@ class FakeCluster:
         assert isinstance(reservation, FakeReservation)
         reservation.removed = True
         self.calls.append(("remove", reservation.name))
+
+
+class FakeContext:
+    """What the servicer needs of a gRPC context: `abort` records and raises."""
+
+    def __init__(self) -> None:
+        self.code = None
+        self.details = ""
+
+    def peer(self) -> str:
+        return "test"
+
+    async def abort(self, code: Any, details: str) -> None:
+        self.code, self.details = code, details
+        raise grpc.aio.AbortError()

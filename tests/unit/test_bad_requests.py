@@ -17,7 +17,7 @@ from protos import controller_pb2 as pb
 from slicewise.common.arrays import ArraySpec
 from slicewise.common.errors import DeadlineError
 from slicewise.common.ops import DeleteOp, LoadOp, PinOp
-from tests.unit.fake_cluster import Clock, FakeCluster
+from tests.unit.fake_cluster import Clock, FakeCluster, FakeContext
 
 TIMEOUT = 10.0
 V4 = "v5litepod-4"  # one host of 4 chips
@@ -30,21 +30,6 @@ def run(coro):
 async def until(condition):
     while not condition():
         await asyncio.sleep(0.001)
-
-
-class FakeContext:
-    """What the servicer needs of a gRPC context: `abort` records and raises."""
-
-    def __init__(self):
-        self.code = None
-        self.details = ""
-
-    def peer(self):
-        return "test"
-
-    async def abort(self, code, details):
-        self.code, self.details = code, details
-        raise grpc.aio.AbortError()
 
 
 async def refused(call) -> tuple[grpc.StatusCode, str]:

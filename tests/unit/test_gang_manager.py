@@ -24,7 +24,7 @@ from slicewise.common.errors import (
     WorkerError,
 )
 from slicewise.common.ops import DeleteOp
-from tests.unit.fake_cluster import Clock, FakeCluster
+from tests.unit.fake_cluster import Clock, FakeCluster, FakeContext
 
 TIMEOUT = 10.0
 V4 = "v5litepod-4"  # one host of 4 chips: a slice is a host
@@ -316,21 +316,6 @@ def test_a_preemption_that_comes_while_a_gang_starts_is_carried_out_once_it_is_u
 
 
 # -- what a client of a gang being preempted (or broken) is told -----------------------
-
-
-class FakeContext:
-    """What the servicer needs of a gRPC context: `abort` records and raises."""
-
-    def __init__(self):
-        self.code = None
-        self.details = ""
-
-    def peer(self):
-        return "test"
-
-    async def abort(self, code, details):
-        self.code, self.details = code, details
-        raise grpc.aio.AbortError()
 
 
 async def execute(servicer, gang_id):
