@@ -1,5 +1,7 @@
 """The controller's end of a worker's control channel (asyncio): operation batches out,
-completions back. The protocol, and the worker's end, are described in worker/channel.py.
+completions back. The protocol, and the worker's end, are described in worker/channel.py;
+frames are msgpack of plain data (slicewise/common/codec.py), and a frame that is not a
+message a worker may send ends the channel with a ChannelError.
 """
 
 from __future__ import annotations
@@ -7,12 +9,20 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import pickle
 import socket
 import time
 from typing import Any
 
-from slicewise.common.framing import LENGTH, ChannelError, frame, hello
+from slicewise.common.codec import TO_CONTROLLER
+from slicewise.common.framing import (
+    LENGTH,
+    MAX_FRAME_BYTES,
+    ChannelError,
+    frame,
+    frame_length,
+    hello,
+    unframe,
+)
 from slicewise.common.ops import Op, OpResult
 
 
@@ -56,7 +66,8 @@ class ControllerEnd:
     async def send(self, ops: list[Op]) -> None:
         """Sends a batch; returns once it is on its way (TCP keeps the order)."""
         try:
-            self._writer.write(frame(("submit", ops)))
+            for data in _frames(ops):
+                self._writer.write(data)
             await self._writer.drain()
         except (OSError, RuntimeError) as exc:
             raise ChannelError(f"sending to {self._name} failed: {exc}") from exc
@@ -79,17 +90,32 @@ class ControllerEnd:
 
     async def _read(self) -> tuple[str, Any]:
         try:
-            (length,) = LENGTH.unpack(await self._reader.readexactly(LENGTH.size))
+            length = frame_length(await self._reader.readexactly(LENGTH.size))
             body = await self._reader.readexactly(length)
+        except ChannelError as exc:
+            raise ChannelError(f"{self._name} sent a bad frame: {exc}") from exc
         except (asyncio.IncompleteReadError, OSError) as exc:
             raise ChannelError(
                 f"{self._name} closed its control channel (the worker process died or was killed)"
             ) from exc
         self.heard_at = time.monotonic()
-        if body[:1] == b"{":  # a JSON refusal of the hello
-            return "error", json.loads(body).get("error", "refused")
-        return pickle.loads(body)
+        try:
+            if body[:1] == b"{":  # a JSON refusal of the hello
+                return "error", str(json.loads(body).get("error", "refused"))
+            return unframe(body, TO_CONTROLLER)
+        except (ChannelError, ValueError, AttributeError) as exc:
+            raise ChannelError(f"{self._name} sent a bad frame: {exc}") from exc
 
     def close(self) -> None:
         with contextlib.suppress(Exception):
             self._writer.close()
+
+
+def _frames(ops: list[Op]) -> list[bytes]:
+    """The batch as one frame, or, in the rare batch of several large programs, as
+    many as it takes to keep each under MAX_FRAME_BYTES (TCP keeps them in order)."""
+    data = frame("submit", ops)
+    if len(data) - LENGTH.size <= MAX_FRAME_BYTES or len(ops) == 1:
+        return [data]
+    half = len(ops) // 2
+    return _frames(ops[:half]) + _frames(ops[half:])

@@ -4,13 +4,14 @@ out, over one TCP connection that lives as long as the gang.
 Every step of a training job, and every call a client makes, is an operation to each
 worker and a completion back. As Ray actor calls those cost about a millisecond of CPU
 each on both sides, and on a busy host that CPU comes out of the programs' own time.
-Here an operation batch is one pickled frame, and completions are pushed as they happen
+Here an operation batch is one frame, and completions are pushed as they happen
 (whatever completed since the last frame goes out when the worker's executor is about to
 wait, so operations that complete back to back travel together): no polling, no per-call bookkeeping.
 
 The connection is opened by the controller to the worker's data port (transport.py), with
-a JSON hello carrying the gang's secret token and epoch; the worker unpickles nothing from
-a peer that has not shown the token it was created with (Ray hands it over). After that:
+a JSON hello carrying the gang's secret token and epoch; the worker decodes no frame from
+a peer that has not shown the token it was created with (Ray hands it over). After that,
+each message is a length-prefixed frame of msgpack (slicewise/common/codec.py):
 
     controller -> worker   ("submit", [op, ...])
     worker -> controller   ("ready", None) once, then ("done", [OpResult, ...]) as
@@ -18,6 +19,12 @@ a peer that has not shown the token it was created with (Ray hands it over). Aft
                            refused (a reused sequence number: a controller bug), and
                            ("beat", {...}) every BEAT_S seconds: the worker's progress
                            (see executor.Progress), and the program it is compiling
+
+Frames hold plain data, decoded only into the registered types (operations, their
+completions, mesh and sharding specs, numpy arrays), so that not even a peer with the
+token can make the other end run code. A frame that is not a message its receiver may be
+sent (codec.TO_WORKER, codec.TO_CONTROLLER) ends the connection: the worker logs it and
+goes on serving; the controller's `receive` raises ChannelError.
 
 A worker that dies closes the connection, and the controller's next `receive` says so. A
 worker that hangs, or whose host stops, goes quiet: the beats are how the controller
@@ -29,14 +36,14 @@ from __future__ import annotations
 import contextlib
 import hmac
 import logging
-import pickle
 import socket
 import threading
 import time
 from collections.abc import Callable
 from typing import Any
 
-from slicewise.common.framing import LENGTH, frame
+from slicewise.common.codec import TO_WORKER
+from slicewise.common.framing import LENGTH, ChannelError, frame, frame_length, unframe
 from slicewise.common.ops import Op, OpResult
 
 log = logging.getLogger(__name__)
@@ -132,19 +139,19 @@ class WorkerEnd:
             target=self._beat, args=(conn, beating), name="control-beat", daemon=True
         )
         try:
-            self._send(conn, ("ready", None))
+            self._send(conn, "ready", None)
             sender.start()
             beater.start()
             while True:
-                (length,) = LENGTH.unpack(_recv_exact(conn, LENGTH.size))
-                kind, payload = pickle.loads(_recv_exact(conn, length))
-                if kind != "submit":
-                    raise ValueError(f"unknown control message {kind!r}")
+                length = frame_length(_recv_exact(conn, LENGTH.size))
+                _, ops = unframe(_recv_exact(conn, length), TO_WORKER)  # only "submit"
                 try:
-                    self._submit(payload)
+                    self._submit(ops)
                 except Exception as exc:  # noqa: BLE001 - the controller decides what now
-                    self._send(conn, ("error", f"{type(exc).__name__}: {exc}"))
-        except (OSError, EOFError, ValueError, pickle.UnpicklingError) as exc:
+                    self._send(conn, "error", f"{type(exc).__name__}: {exc}")
+        except ChannelError as exc:
+            log.warning("control channel: dropping the controller's connection: %s", exc)
+        except (OSError, EOFError) as exc:
             log.info("control channel closed: %s", exc)
         finally:
             beating.set()
@@ -154,8 +161,8 @@ class WorkerEnd:
             if sender.is_alive():
                 sender.join(timeout=5)
 
-    def _send(self, conn: socket.socket, message: Any) -> None:
-        data = frame(message)
+    def _send(self, conn: socket.socket, kind: str, payload: Any) -> None:
+        data = frame(kind, payload)
         with self._send_lock:
             conn.sendall(data)
 
@@ -163,7 +170,7 @@ class WorkerEnd:
         """Says where this worker is, every `beat_s`, until the connection ends."""
         while not stop.wait(self._beat_s):
             try:
-                self._send(conn, ("beat", self._progress()))
+                self._send(conn, "beat", self._progress())
             except OSError as exc:
                 log.info("control channel: a heartbeat failed: %s", exc)
                 return
@@ -178,7 +185,7 @@ class WorkerEnd:
                 batch, self._done = self._done, []
             started = time.time_ns()
             try:
-                self._send(conn, ("done", batch))
+                self._send(conn, "done", batch)
             except OSError as exc:
                 log.info("control channel: sending completions failed: %s", exc)
                 with contextlib.suppress(OSError):

@@ -1,2 +1,3 @@
 """The vocabulary that client, controller and workers share: mesh math, array specs,
-operation messages, framing, errors, trace spans. It imports none of them."""
+operation messages, framing and the control channel's codec, errors, trace spans. It
+imports none of them."""

@@ -5,14 +5,16 @@ Both links prefix each message with its length (8 bytes, network order):
 
 - the data link (worker/transport.py, controller/datalink.py) sends a JSON header, then
   the raw bytes of every array piece it describes;
-- the control channel (worker/channel.py, controller/channel.py) sends pickled frames of
-  operations and completions, after a JSON hello.
+- the control channel (worker/channel.py, controller/channel.py) sends a JSON hello, then
+  frames of operations and completions in the msgpack codec of codec.py: plain data, with
+  an explicit registry of the types that may travel, so that nothing a peer sends can
+  make a receiver run code. (worker/executables.py pickles compiled programs, but only
+  into its own on-disk cache, never from the network.)
 """
 
 from __future__ import annotations
 
 import json
-import pickle
 import socket
 import struct
 from collections.abc import Sequence
@@ -20,10 +22,17 @@ from typing import Any
 
 import numpy as np
 
+from slicewise.common import codec
 from slicewise.common.arrays import dtype_of
 from slicewise.common.mesh import Index
 
 LENGTH = struct.Struct("!Q")
+
+# The largest control frame a receiver accepts: room for a batch with a LoadOp of the
+# largest program (limits.MAX_PROGRAM_BYTES, under 2 GiB) and then some, so that a
+# corrupt length cannot make a worker allocate memory it does not have. A batch too
+# large for one frame travels as several (controller/channel.py).
+MAX_FRAME_BYTES = 2**32
 
 # An array's pieces as one host holds them: (index into the global array, data).
 Pieces = list[tuple[Index, np.ndarray]]
@@ -96,13 +105,47 @@ def recv_pieces(sock: socket.socket, metas: list[dict[str, Any]]) -> Pieces:
 # -- the control channel ---------------------------------------------------------------
 
 
-def frame(message: Any) -> bytes:
-    """One control-channel message, pickled and length-prefixed."""
-    body = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+def frame(kind: str, payload: Any) -> bytes:
+    """One control-channel message `(kind, payload)`, encoded and length-prefixed.
+
+    Raises:
+        ChannelError: the payload holds something that may not travel (a bug).
+    """
+    try:
+        body = codec.encode(kind, payload)
+    except codec.CodecError as exc:
+        raise ChannelError(str(exc)) from None
     return LENGTH.pack(len(body)) + body
 
 
+def frame_length(prefix: bytes | bytearray) -> int:
+    """The length of the frame that `prefix` (LENGTH.size bytes) announces.
+
+    Raises:
+        ChannelError: it is longer than any control frame may be.
+    """
+    (length,) = LENGTH.unpack(prefix)
+    if length > MAX_FRAME_BYTES:
+        raise ChannelError(
+            f"a control frame of {length} bytes announced, more than the {MAX_FRAME_BYTES} "
+            "any may have: the peer is not speaking this protocol"
+        )
+    return int(length)
+
+
+def unframe(body: bytes | bytearray, messages: codec.Messages) -> tuple[str, Any]:
+    """The `(kind, payload)` of a frame's body, if it is a message in `messages`.
+
+    Raises:
+        ChannelError: it is not (the receiver should drop the connection).
+    """
+    try:
+        return codec.decode(body, messages)
+    except codec.CodecError as exc:
+        raise ChannelError(f"malformed control frame: {exc}") from None
+
+
 def hello(token: str, epoch: int) -> bytes:
-    """The controller's first message on a control channel (JSON, before any pickle)."""
+    """The controller's first message on a control channel (JSON, before any frame)."""
     body = json.dumps({"op": "control", "token": token, "epoch": epoch}).encode()
     return LENGTH.pack(len(body)) + body

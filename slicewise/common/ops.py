@@ -1,5 +1,8 @@
 """The operations a controller sends to a gang's workers, each stamped with its place in
-the gang's sequence. Plain picklable data: Ray carries them, numpy payloads zero-copy."""
+the gang's sequence, and what comes back. Plain data: they travel on the control channel
+in the codec of slicewise/common/codec.py, which carries only the types it registers, so
+a new operation goes into `Op` and into `codec.REGISTERED`, with fields of the types the
+codec knows (ints, floats, strs, bytes, tuples of them, mesh and sharding specs)."""
 
 from __future__ import annotations
 

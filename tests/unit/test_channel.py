@@ -1,14 +1,21 @@
 """The control channel over real loopback sockets: the hello and its token, batches in,
-pushed completions out, refusals, and a worker that goes away."""
+pushed completions out, refusals, a worker that goes away, and frames that are not
+messages (a pickle exploit among them) on either end."""
 
 import asyncio
+import os
+import pickle
 import socket
+import threading
 
 import pytest
 
+import controller.channel
 from controller.channel import ControllerEnd
-from slicewise.common.framing import ChannelError
-from slicewise.common.ops import DeleteOp
+from slicewise.common.codec import TO_CONTROLLER, TO_WORKER
+from slicewise.common.framing import LENGTH, ChannelError, frame, hello, unframe
+from slicewise.common.mesh import MeshAxis, MeshSpec
+from slicewise.common.ops import DeleteOp, LoadOp, OpResult
 from worker.channel import WorkerEnd
 from worker.executor import InOrderExecutor
 from worker.transport import DataServer
@@ -211,3 +218,132 @@ def test_heartbeats_carry_the_workers_progress_and_never_come_out_as_completions
     assert [r.seq for r in done] == [1]
     assert channel.progress["oldest_seq"] == 7 and channel.progress["stalled_s"] == 1.5
     assert channel.heard_at > connected
+
+
+# -- frames that are not messages ------------------------------------------------------
+
+
+class Exploit:
+    """A pickle that runs a command when it is loaded."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def raw_controller(address):
+    """A connection to a worker that has said hello and read the worker's "ready"."""
+    host, port = address.rsplit(":", 1)
+    sock = socket.create_connection((host, int(port)), timeout=TIMEOUT)
+    sock.sendall(hello(TOKEN, 1))
+    (length,) = LENGTH.unpack(sock.recv(LENGTH.size, socket.MSG_WAITALL))
+    assert unframe(sock.recv(length, socket.MSG_WAITALL), TO_CONTROLLER) == ("ready", None)
+    return sock
+
+
+def dropped(sock):
+    """Whether the worker closed the connection (beats may come first)."""
+    with sock:
+        while True:
+            head = sock.recv(LENGTH.size, socket.MSG_WAITALL)
+            if not head:
+                return True
+            (length,) = LENGTH.unpack(head)
+            assert unframe(sock.recv(length, socket.MSG_WAITALL), TO_CONTROLLER)[0] == "beat"
+
+
+@pytest.mark.parametrize(
+    "garbage",
+    [
+        "pickle",
+        LENGTH.pack(2**62),  # a length no frame may have: nothing is allocated for it
+        frame("done", [OpResult(1)]),  # a message for the controller, not for a worker
+        LENGTH.pack(3) + b"\x92\xa6s",  # not msgpack
+    ],
+    ids=["pickle-exploit", "huge-length", "wrong-direction", "truncated"],
+)
+def test_a_worker_drops_a_connection_that_sends_garbage_and_serves_the_next(
+    worker, tmp_path, garbage
+):
+    marker = tmp_path / "pwned"
+    if garbage == "pickle":
+        body = pickle.dumps(("submit", [Exploit(marker)]))
+        garbage = LENGTH.pack(len(body)) + body
+    sock = raw_controller(worker.server.address)
+    sock.sendall(garbage)
+    assert dropped(sock)
+    assert not marker.exists() and worker.batches == []
+
+    async def scenario():
+        channel = await ControllerEnd.connect(worker.server.address, TOKEN, 1, "host 0")
+        await channel.send([DeleteOp(1, ())])
+        seqs = await receive_all(channel, 1)
+        channel.close()
+        return seqs
+
+    assert run(scenario()) == [1]
+
+
+class FakeWorker:
+    """A socket that answers the controller's hello with "ready", then sends `garbage`."""
+
+    def __init__(self, garbage):
+        self.server = socket.create_server(("127.0.0.1", 0))
+        self.address = f"127.0.0.1:{self.server.getsockname()[1]}"
+        self.garbage = garbage
+        self.thread = threading.Thread(target=self.serve, daemon=True)
+        self.thread.start()
+
+    def serve(self):
+        conn, _ = self.server.accept()
+        with conn:
+            conn.settimeout(TIMEOUT)
+            (length,) = LENGTH.unpack(conn.recv(LENGTH.size, socket.MSG_WAITALL))
+            conn.recv(length, socket.MSG_WAITALL)  # the hello
+            conn.sendall(frame("ready", None) + self.garbage)
+            conn.recv(1)  # until the controller hangs up
+
+    def close(self):
+        self.server.close()
+        self.thread.join(TIMEOUT)
+
+
+@pytest.mark.parametrize(
+    "garbage, reason",
+    [
+        ("pickle", "malformed control frame"),
+        (LENGTH.pack(2**62), "frame of 4611686018427387904 bytes announced"),
+        (frame("submit", [DeleteOp(1, ())]), "unknown message 'submit'"),
+        (LENGTH.pack(2) + b"{]", "Expecting property name"),  # nor JSON of a refusal
+    ],
+    ids=["pickle-exploit", "huge-length", "wrong-direction", "bad-json"],
+)
+def test_the_controller_refuses_a_worker_that_sends_garbage(tmp_path, garbage, reason):
+    marker = tmp_path / "pwned"
+    if garbage == "pickle":
+        body = pickle.dumps(("done", [Exploit(marker)]))
+        garbage = LENGTH.pack(len(body)) + body
+    fake = FakeWorker(garbage)
+
+    async def scenario():
+        channel = await ControllerEnd.connect(fake.address, TOKEN, 1, "host 2")
+        with pytest.raises(ChannelError, match=f"host 2 sent a bad frame: .*{reason}"):
+            await channel.receive()
+        channel.close()
+
+    try:
+        run(scenario())
+    finally:
+        fake.close()
+    assert not marker.exists()
+
+
+def test_a_batch_too_large_for_one_frame_travels_as_several_in_order(worker, monkeypatch):
+    monkeypatch.setattr(controller.channel, "MAX_FRAME_BYTES", 300)
+    ops = [LoadOp(seq, "p" * 64, bytes(200), MeshSpec((MeshAxis("x"),))) for seq in (1, 2, 3)]
+    frames = controller.channel._frames([*ops, DeleteOp(4, ())])
+    assert len(frames) == 4
+    decoded = [unframe(f[LENGTH.size :], TO_WORKER)[1] for f in frames]
+    assert [op for batch in decoded for op in batch] == [*ops, DeleteOp(4, ())]
