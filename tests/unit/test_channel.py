@@ -3,7 +3,6 @@ pushed completions out, refusals, a worker that goes away, and frames that are n
 messages (a pickle exploit among them) on either end."""
 
 import asyncio
-import os
 import pickle
 import socket
 import threading
@@ -16,6 +15,7 @@ from slicewise.common.codec import TO_CONTROLLER, TO_WORKER
 from slicewise.common.framing import LENGTH, ChannelError, frame, hello, unframe
 from slicewise.common.mesh import MeshAxis, MeshSpec
 from slicewise.common.ops import DeleteOp, LoadOp, OpResult
+from tests.unit.test_codec import Exploit
 from worker.channel import WorkerEnd
 from worker.executor import InOrderExecutor
 from worker.transport import DataServer
@@ -221,16 +221,6 @@ def test_heartbeats_carry_the_workers_progress_and_never_come_out_as_completions
 
 
 # -- frames that are not messages ------------------------------------------------------
-
-
-class Exploit:
-    """A pickle that runs a command when it is loaded."""
-
-    def __init__(self, marker):
-        self.marker = marker
-
-    def __reduce__(self):
-        return (os.system, (f"touch {self.marker}",))
 
 
 def raw_controller(address):
