@@ -27,13 +27,19 @@ def _connect(address: str) -> socket.socket:
     return sock
 
 
-def put(address: str, key: str, pieces: Pieces) -> None:
-    """Sends pieces of an array to the worker at `address`, to be stored under `key`."""
+def put(address: str, token: str, key: str, pieces: Pieces) -> None:
+    """Sends pieces of an array to the worker at `address`, to be stored under `key`;
+    `token` is the gang's secret, which the worker checks first."""
     with _connect(address) as sock:
         try:
             send_header(
                 sock,
-                {"op": "put", "key": key, "pieces": [piece_meta(i, a) for i, a in pieces]},
+                {
+                    "op": "put",
+                    "token": token,
+                    "key": key,
+                    "pieces": [piece_meta(i, a) for i, a in pieces],
+                },
                 [a for _, a in pieces],
             )
             reply = recv_header(sock)
@@ -43,11 +49,11 @@ def put(address: str, key: str, pieces: Pieces) -> None:
         raise TransportError(reply["error"])
 
 
-def get(address: str, key: str) -> Pieces:
+def get(address: str, token: str, key: str) -> Pieces:
     """Receives the pieces the worker at `address` holds under `key`."""
     with _connect(address) as sock:
         try:
-            send_header(sock, {"op": "get", "key": key})
+            send_header(sock, {"op": "get", "token": token, "key": key})
             reply = recv_header(sock)
             if "error" in reply:
                 raise TransportError(reply["error"])

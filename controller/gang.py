@@ -111,6 +111,7 @@ class Gang:
         self.options = options
         self._lost_poll_s = lost_poll_s
         self._reservation: Reservation | None = None
+        self._token = ""  # the secret every worker connection shows (made in _form)
         self._workers: list[Worker] = []
         self._channels: list[Channel] = []
         self._stopping: asyncio.Future[None] | None = None
@@ -291,7 +292,7 @@ class Gang:
     async def _form(self) -> None:
         """Starts a worker per host and joins them into one jax.distributed cluster."""
         assert self._reservation is not None
-        token = secrets.token_hex(16)
+        token = self._token = secrets.token_hex(16)
         head = self.slices[0].host(0)
         for s_index, s in enumerate(self.slices):
             for h in range(s.type.hosts):
@@ -472,7 +473,9 @@ class Gang:
         (each worker's thread cuts its own pieces, so copying overlaps sending)."""
 
         def send(address: str, mine: Sequence[Index]) -> None:
-            datalink.put(address, key, [(i, np.asarray(array[i], order="C")) for i in mine])
+            datalink.put(
+                address, self._token, key, [(i, np.asarray(array[i], order="C")) for i in mine]
+            )
 
         await asyncio.gather(
             *(
@@ -486,7 +489,7 @@ class Gang:
         return list(
             await asyncio.gather(
                 *(
-                    asyncio.to_thread(datalink.get, address, pin_id)
+                    asyncio.to_thread(datalink.get, address, self._token, pin_id)
                     for address in self.data_addresses
                 )
             )

@@ -489,6 +489,7 @@ class ControllerServicer(pb_grpc.ControllerServicer):
                     max_in_flight=s["max_in_flight"],
                     window=s["window"],
                     pins=s["pins"],
+                    data_address=gang.data_addresses[s["process_id"]],
                 )
                 for s in stats
             ],

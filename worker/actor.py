@@ -58,8 +58,9 @@ class HostWorker:
         self._started = time.time()
         import ray
 
+        # Bound to the address Ray uses on this host, never to all interfaces.
         self.data = DataServer(
-            ray.util.get_node_ip_address(), self._receive, self._send, self._control
+            ray.util.get_node_ip_address(), token, self._receive, self._send, self._control
         )
 
     def _on_done(self, op: Op, launched_ns: int, finished_ns: int, result: OpResult) -> None:

@@ -5,10 +5,15 @@ receiver's store, and out again; a socket per transfer moves the bytes once, str
 into the buffer that keeps them (`recv_into`). Each request is one connection: a
 length-prefixed JSON header, then the raw bytes of every piece in order.
 
-    put:  header {"op": "put", "key": K, "pieces": [meta...]} + bytes  ->  {"ok": true}
-    get:  header {"op": "get", "key": K}  ->  {"pieces": [meta...]} + bytes  (or {"error"})
-    control: header {"op": "control", ...}  ->  the connection becomes the worker's
-             control channel (channel.py)
+    put:  header {"op": "put", "token": T, "key": K, "pieces": [meta...]} + bytes
+          ->  {"ok": true}
+    get:  header {"op": "get", "token": T, "key": K}  ->  {"pieces": [meta...]} + bytes
+    control: header {"op": "control", "token": T, ...}  ->  the connection becomes the
+             worker's control channel (channel.py)
+
+Every request carries the gang's secret token (the controller made it and Ray handed it
+to the worker); a request without it is answered {"error": ...} before anything else is
+read, and the listener binds only to the address Ray uses on this host.
 
 where meta is {"index": [[start, stop], ...], "shape": [...], "dtype": name}.
 """
@@ -16,6 +21,7 @@ where meta is {"index": [[start, stop], ...], "shape": [...], "dtype": name}.
 from __future__ import annotations
 
 import contextlib
+import hmac
 import logging
 import socket
 import threading
@@ -31,11 +37,16 @@ log = logging.getLogger(__name__)
 class DataServer:
     """The worker's end: accepts puts into `on_put(key, pieces, started_us)`, serves gets
     from `on_get(key)`, and hands a control connection to `on_control(conn, hello,
-    reply)` for as long as it lasts."""
+    reply)` for as long as it lasts; only for peers that show `token`."""
+
+    # How long a new connection may take to send its header: a peer that connects and
+    # says nothing does not hold a thread for longer.
+    HEADER_TIMEOUT_S = 60.0
 
     def __init__(
         self,
         host: str,
+        token: str,
         on_put: Callable[[str, Pieces, int], None],
         on_get: Callable[[str], Pieces],
         on_control: Callable[
@@ -43,6 +54,9 @@ class DataServer:
         ]
         | None = None,
     ) -> None:
+        if not token:
+            raise ValueError("a data server needs a token")
+        self._token = token.encode()
         self._on_put = on_put
         self._on_get = on_get
         self._on_control = on_control
@@ -68,7 +82,18 @@ class DataServer:
         with conn:
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             try:
+                conn.settimeout(self.HEADER_TIMEOUT_S)
                 header = recv_header(conn)
+                conn.settimeout(None)
+                if not hmac.compare_digest(str(header.get("token", "")).encode(), self._token):
+                    send_header(
+                        conn,
+                        {
+                            "error": "wrong or missing token: only this gang's controller "
+                            "may connect to this worker"
+                        },
+                    )
+                    return
                 if header.get("op") == "put":
                     started_us = time.time_ns() // 1000
                     self._on_put(header["key"], recv_pieces(conn, header["pieces"]), started_us)

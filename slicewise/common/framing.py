@@ -34,6 +34,11 @@ LENGTH = struct.Struct("!Q")
 # large for one frame travels as several (controller/channel.py).
 MAX_FRAME_BYTES = 2**32
 
+# The largest data-link header: its piece list grows with the pieces of one array on one
+# host, some hundred bytes each. It is read before the peer has shown its token, so it is
+# kept small enough that a stranger cannot make a worker allocate much.
+MAX_HEADER_BYTES = 16 * 2**20
+
 # An array's pieces as one host holds them: (index into the global array, data).
 Pieces = list[tuple[Index, np.ndarray]]
 
@@ -85,7 +90,10 @@ def recv_into(sock: socket.socket, view: memoryview) -> None:
 def recv_header(sock: socket.socket) -> dict[str, Any]:
     length = bytearray(LENGTH.size)
     recv_into(sock, memoryview(length))
-    body = bytearray(LENGTH.unpack(length)[0])
+    size = LENGTH.unpack(length)[0]
+    if size > MAX_HEADER_BYTES:
+        raise TransportError(f"a header of {size} bytes is over the {MAX_HEADER_BYTES} allowed")
+    body = bytearray(size)
     recv_into(sock, memoryview(body))
     header: dict[str, Any] = json.loads(body)
     return header

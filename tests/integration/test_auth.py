@@ -5,6 +5,7 @@ beyond loopback without authentication, which refuses to start."""
 
 from __future__ import annotations
 
+import socket
 import subprocess
 import sys
 
@@ -15,9 +16,13 @@ import pytest
 
 import slicewise
 from controller.auth import add_token
+from controller.jobview import TERMINAL
+from programs.lm.config import SMALL_OVERRIDES
 from protos import controller_pb2 as pb
 from slicewise.common.errors import SlicewiseError
+from slicewise.common.framing import recv_header, send_header
 from slicewise.launch import ControllerStartError
+from slicewise.testing import wait_until
 from tests.certs import make_certificates
 from tests.integration.conftest import start_controller
 
@@ -143,22 +148,55 @@ def test_tenants_see_only_their_own_and_an_admin_sees_all(secured):
             gang.release()
 
 
+def test_worker_ports_refuse_every_connection_without_the_gang_token(secured):
+    _, token, _, _ = secured
+    with as_tenant(secured, token) as alice:
+        gang = alice.allocate(1, "v5litepod-1", timeout=120)
+        try:
+            x = gang.put(np.arange(8, dtype=np.float32), gang.mesh().sharding())
+            x.block_until_ready()
+            [worker] = gang.stats().workers
+            host, port = worker.data_address.rsplit(":", 1)
+            assert host == "127.0.0.1"  # the address Ray uses here, not every interface
+            for header in (
+                {"op": "put", "key": x.handle, "pieces": []},
+                {"op": "get", "key": x.handle},
+                {"op": "control", "epoch": 1, "token": "not-the-token"},
+            ):
+                with socket.create_connection((host, int(port)), timeout=60) as sock:
+                    send_header(sock, header)
+                    reply = recv_header(sock)
+                assert "wrong or missing token" in reply["error"], header
+                assert "pieces" not in reply
+            # The gang's own connections go on working, and nothing changed.
+            np.testing.assert_array_equal(x.fetch(), np.arange(8, dtype=np.float32))
+            assert gang.stats().workers[0].arrays == worker.arrays
+        finally:
+            gang.release()
+
+
 def test_jobs_read_data_only_under_the_data_roots(secured):
     proc, token, _, _ = secured
     with as_tenant(secured, token) as alice:
         inside = alice.submit_job(
             "lm",
-            slices=2,
-            slice_type="v5litepod-4",
+            slices=1,
+            slice_type="v5litepod-1",
             steps=1,
-            overrides={"corpus": f"{proc.data_root}/*.txt"},
+            overrides=SMALL_OVERRIDES | {"corpus": f"{proc.data_root}/*.txt"},
         )
-        assert alice.job(inside.job_id).job_id == inside.job_id
-        alice.cancel_job(inside.job_id)
+        ended = wait_until(
+            lambda: (job := alice.job(inside.job_id)).state in TERMINAL and job,
+            timeout_s=240,
+            interval_s=0.5,
+            what=f"job {inside.job_id} to end",
+        )
+        assert ended.state == pb.JOB_STATE_SUCCEEDED, ended.error
+        assert ended.step == 1
         for spec in ("/etc/*", f"{proc.data_root}/../*", "/etc/passwd"):
             with pytest.raises(SlicewiseError, match="reaches outside the data roots") as info:
                 alice.submit_job(
-                    "lm", slices=2, slice_type="v5litepod-4", steps=1, overrides={"corpus": spec}
+                    "lm", slices=1, slice_type="v5litepod-1", steps=1, overrides={"corpus": spec}
                 )
             assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT
 

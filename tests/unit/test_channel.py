@@ -38,7 +38,7 @@ class Worker:
             on_done=lambda op, s, f, result: self.end.completed(result),
             on_idle=self.end.flush,
         )
-        self.server = DataServer("127.0.0.1", self.no_put, self.no_get, self.end.serve)
+        self.server = DataServer("127.0.0.1", TOKEN, self.no_put, self.no_get, self.end.serve)
         self.batches = []
 
     def submit(self, ops):
