@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from controller.auth import current_identity, may_see
+from controller.stablehlo import check_module
 from slicewise.common.arrays import ArraySpec
 from slicewise.common.errors import InvalidRequestError, NotFoundError, ProgramMismatchError
 from slicewise.common.limits import MAX_PROGRAM_BYTES
@@ -26,6 +27,8 @@ class Program:
     outputs: tuple[ArraySpec, ...]
     num_devices: int
     platforms: tuple[str, ...]
+    # A lower bound of the program's peak memory on each device (controller/stablehlo.py).
+    device_bytes: int = 0
 
     def check_fits(self, gang: GangShape, platform: str, gang_id: str) -> None:
         """Raises ProgramMismatchError unless this program can run on the gang."""
@@ -112,8 +115,9 @@ def load_program(serialized: bytes, name: str, mesh: MeshSpec) -> Program:
     """Deserializes and describes a program.
 
     Raises:
-        InvalidRequestError: the bytes are not a jax.export artifact, or it uses
-            symbolic shapes.
+        InvalidRequestError: the bytes are not a jax.export artifact, it uses symbolic
+            shapes, or its module fails the checks of controller/stablehlo.py.
+        CapacityError: it cannot fit in the HBM of the chips it was exported for.
     """
     from jax import export
 
@@ -125,6 +129,14 @@ def load_program(serialized: bytes, name: str, mesh: MeshSpec) -> Program:
             f"({type(exc).__name__}: {str(exc)[:200]}); send the bytes of "
             "jax.export.export(...)(...).serialize()"
         ) from None
+    try:
+        text = exported.mlir_module()
+    except Exception as exc:  # noqa: BLE001 - the module inside is not StableHLO
+        raise InvalidRequestError(
+            f"program {name!r} holds no readable StableHLO module ({type(exc).__name__}: "
+            f"{str(exc)[:200]}); send the bytes of jax.export.export(...)(...).serialize()"
+        ) from None
+    facts = check_module(text, exported.nr_devices, name or exported.fun_name)
 
     def specs(avals: Sequence[object], what: str) -> tuple[ArraySpec, ...]:
         out = []
@@ -147,6 +159,7 @@ def load_program(serialized: bytes, name: str, mesh: MeshSpec) -> Program:
         outputs=specs(exported.out_avals, "output"),
         num_devices=exported.nr_devices,
         platforms=tuple(exported.platforms),
+        device_bytes=facts.device_bytes,
     )
 
 

@@ -133,3 +133,38 @@ def test_pytree_arguments_and_results(two_slices):
     assert set(out) == {"y", "norm"}
     np.testing.assert_allclose(out["y"].fetch(), params["w"] * 2 * 0.5 + 1)
     np.testing.assert_allclose(out["norm"].fetch(), np.sum(params["w"] ** 2))
+
+
+def test_programs_that_cannot_fit_or_call_the_host_are_refused_before_any_worker(
+    two_slices, client
+):
+    from jax import export
+
+    from slicewise.common.errors import SlicewiseError
+
+    gang = two_slices
+    mesh = gang.mesh()
+    before = [w.programs for w in gang.stats().workers]
+    # 8 chips: an unsharded 17 GiB input puts all of it on each one.
+    big = export.export(jax.jit(lambda a: a + 1), platforms=["cpu"])(
+        jax.ShapeDtypeStruct((17 * 2**28,), jnp.float32, sharding=mesh.sharding())
+    )
+    target = "xla_ffi_python_cpu_callback"
+    callback = export.export(
+        jax.jit(lambda a: jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((8,), jnp.float32))(a)),
+        platforms=["cpu"],
+        disabled_checks=[export.DisabledSafetyCheck.custom_call(target)],
+    )(jax.ShapeDtypeStruct((8,), jnp.float32, sharding=mesh.sharding()))
+    for exported, code, match in (
+        (big, "RESOURCE_EXHAUSTED", "needs at least 17 GiB on each of its 8 devices"),
+        (callback, "INVALID_ARGUMENT", f"uses custom call '{target}'"),
+    ):
+        with pytest.raises(SlicewiseError, match=match) as info:
+            gang.load(exported, mesh)
+        assert info.value.code.name == code
+    assert [w.programs for w in gang.stats().workers] == before
+    # The gang runs what it may.
+    x = gang.put(np.arange(8, dtype=np.float32), mesh.sharding())
+    np.testing.assert_array_equal(
+        gang.compile(jax.jit(lambda a: a * 3), x)(x).fetch(), np.arange(8) * 3
+    )
