@@ -104,7 +104,12 @@ def attached_to_ray(client: Any) -> Iterator[None]:
     workers directly)."""
     from controller.server import prepare_environment
 
-    address = client.health().ray_address
+    health = client.health()
+    address = health.ray_address
+    if health.ray_auth_token_path:  # the embedded simulation's Ray authenticates
+        from controller.simcluster import ray_auth_env
+
+        os.environ.update(ray_auth_env(health.ray_auth_token_path))
     prepare_environment(address)
     import ray
 

@@ -164,7 +164,11 @@ class _Controller(RestartableController):
     state directory and port; every process it started is gone at `close`."""
 
     def __init__(
-        self, directory: Path, step_timeout_s: float | None = None, ray_address: str | None = None
+        self,
+        directory: Path,
+        step_timeout_s: float | None = None,
+        ray_address: str | None = None,
+        env: dict[str, str] | None = None,
     ) -> None:
         timeout = () if step_timeout_s is None else ("--step-timeout", f"{step_timeout_s:g}")
         super().__init__(
@@ -172,6 +176,7 @@ class _Controller(RestartableController):
             sim=None if ray_address else SIM,
             ray_address=ray_address,
             extra_args=("--allow-chaos", *timeout),
+            env=env,
         )
 
     def events(self) -> list[tuple[float, str]]:
@@ -432,7 +437,9 @@ def run(quick: bool = False) -> dict[str, Any]:
     # kill-controller on a controller joined to a cluster it does not own, as on TPU VMs,
     # where Ray outlives the controller (with --sim the simulation would go with it).
     cluster = SimulationProcess(SIM)
-    ctl = _Controller(root / "restart-controller", ray_address=cluster.address)
+    ctl = _Controller(
+        root / "restart-controller", ray_address=cluster.address, env=cluster.ray_env()
+    )
     ctl.extra_args += ("--compilation-cache", str(root / "compilation-cache"))
     client = None
     try:

@@ -298,8 +298,11 @@ def _cluster(args: argparse.Namespace) -> int:
     )
     try:
         print(f"simulated cluster {args.sim} running; Ray address {sim.address}", flush=True)
+        print(f"Ray authentication token in {sim.auth_token_path}", flush=True)
+        env = " ".join(f"{k}={v}" for k, v in sim.ray_env().items() if v)
         print(
-            f"  slicewise controller --ray-address {sim.address} --insecure-local --port 50051",
+            f"  {env} slicewise controller --ray-address {sim.address} --insecure-local "
+            "--port 50051",
             flush=True,
         )
         stop.wait()

@@ -164,6 +164,8 @@ def run(config: ServerConfig) -> int:
             host_store_mb=config.host_object_store_mb,
             head_store_mb=config.head_object_store_mb,
         )
+        # This process joins the simulation's Ray as a driver: with its token.
+        os.environ.update(simulation.ray_env())
     import ray
 
     # Ray puts the driver's working directory on every worker's sys.path; a user's
@@ -258,6 +260,7 @@ async def _serve(
             jobs,
             simulation_pid=simulation.pid if simulation else 0,
             ray_address=ray_address,
+            ray_auth_token_path=str(simulation.auth_token_path) if simulation else "",
         ),
         server,
     )

@@ -215,11 +215,13 @@ class ControllerServicer(pb_grpc.ControllerServicer):
         *,
         simulation_pid: int = 0,
         ray_address: str = "",
+        ray_auth_token_path: str = "",
     ) -> None:
         self.controller = controller
         self.jobs = jobs
         self.simulation_pid = simulation_pid
         self.ray_address = ray_address
+        self.ray_auth_token_path = ray_auth_token_path
 
     @_unary
     async def Health(self, request: pb.HealthRequest, context: Any) -> pb.HealthResponse:
@@ -231,6 +233,7 @@ class ControllerServicer(pb_grpc.ControllerServicer):
             num_gangs=len(c.gangs),
             simulation_pid=self.simulation_pid,
             ray_address=self.ray_address,
+            ray_auth_token_path=self.ray_auth_token_path,
         )
 
     @_unary

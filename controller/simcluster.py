@@ -4,6 +4,11 @@ Each simulated host is a real Ray node (its own raylet) with the resources and l
 that Ray gives a real TPU VM (`ray._private.accelerators.tpu`): `TPU` = chips on the
 host, `TPU-<type>-head` on host 0 of each slice, a resource named after the slice, and
 the `ray.io/tpu-*` labels. Removing a node is a faithful host failure.
+
+Ray itself authenticates (token authentication, `RAY_AUTH_MODE=token`, Ray 2.52+): the
+simulation makes a random token, keeps it in a file only this user can read, and every
+Ray process of the cluster, the controller and any tool that attaches as a driver must
+present it (`SimulationProcess.ray_env()`); a driver without it is refused by the GCS.
 """
 
 from __future__ import annotations
@@ -14,12 +19,16 @@ import json
 import logging
 import os
 import queue
+import secrets
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from slicewise.common.topology import ACCELERATOR_TYPE, SliceType
@@ -60,6 +69,12 @@ def host_labels(slice_name: str, stype: SliceType, worker_id: int) -> dict[str, 
         ACCELERATOR_LABEL: ACCELERATOR_TYPE,
         SIMULATED_LABEL: "true",
     }
+
+
+def ray_auth_env(token_path: str | Path) -> dict[str, str]:
+    """Ray's token authentication with the token in `token_path` (a token set in the
+    environment would take precedence over the file, so it is cleared)."""
+    return {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": "", "RAY_AUTH_TOKEN_PATH": str(token_path)}
 
 
 def slice_names(slices: list[SliceType]) -> list[str]:
@@ -255,6 +270,12 @@ class SimulationProcess:
         start_timeout_s: float = 180.0,
     ) -> None:
         self.spec = spec
+        # The Ray token, in a directory of this user's only (mkdtemp makes it 0700).
+        self._secrets = tempfile.mkdtemp(prefix="slicewise-ray-")
+        self.auth_token_path = Path(self._secrets) / "auth_token"
+        fd = os.open(self.auth_token_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(secrets.token_hex(32))
         self._proc = subprocess.Popen(
             [
                 sys.executable,
@@ -270,7 +291,7 @@ class SimulationProcess:
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             text=True,
-            env=os.environ | {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"},
+            env=os.environ | {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"} | self.ray_env(),
         )
         assert self._proc.stdin is not None and self._proc.stdout is not None
         self._stdin, self._stdout = self._proc.stdin, self._proc.stdout
@@ -284,6 +305,11 @@ class SimulationProcess:
         info = json.loads(line)
         self.address: str = info["address"]
         self.pid: int = info["pid"]
+
+    def ray_env(self) -> dict[str, str]:
+        """The environment a process needs to join this cluster's Ray (as a driver, or
+        as a controller started with `--ray-address`)."""
+        return ray_auth_env(self.auth_token_path)
 
     def _readline(self, timeout_s: float) -> str:
         result: list[str] = []
@@ -323,6 +349,7 @@ class SimulationProcess:
             except subprocess.TimeoutExpired:
                 self._proc.kill()
                 self._proc.wait(timeout=10)
+        shutil.rmtree(self._secrets, ignore_errors=True)
 
 
 def main(argv: list[str] | None = None) -> int:

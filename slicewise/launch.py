@@ -120,12 +120,14 @@ class RestartableController:
         sim: str | None = None,
         ray_address: str | None = None,
         extra_args: tuple[str, ...] = (),
+        env: dict[str, str] | None = None,
     ) -> None:
         self.directory = directory
         directory.mkdir(parents=True, exist_ok=True)
         self.sim = sim
         self.ray_address = ray_address
         self.extra_args = extra_args
+        self.env = env  # added to this process's environment (e.g. Ray's token)
         self.state = directory / "state"
         self.port = 0
         self.starts = 0
@@ -142,6 +144,7 @@ class RestartableController:
                 sim=self.sim,
                 ray_address=self.ray_address,
                 stderr=log,
+                env=self.env,
                 extra_args=(
                     *self.extra_args,
                     "--state-dir",

@@ -41,7 +41,9 @@ def cloud():
 
 @pytest.fixture(scope="module")
 def elastic_client(tmp_path_factory, cloud):
-    proc = start_controller(tmp_path_factory, "elastic-controller", ray_address=cloud.address)
+    proc = start_controller(
+        tmp_path_factory, "elastic-controller", ray_address=cloud.address, env=cloud.ray_env()
+    )
     try:
         with slicewise.connect(proc.address, name=f"elastic-{os.getpid()}") as client:
             yield client

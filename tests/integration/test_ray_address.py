@@ -7,6 +7,7 @@ slices from those labels alone.
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import threading
@@ -15,6 +16,7 @@ import numpy as np
 import pytest
 
 import slicewise
+from controller.simcluster import ray_auth_env
 from programs.demo import dcn_sum_matmul, dcn_sum_matmul_reference
 from slicewise.launch import stop_process
 from slicewise.testing import wait_until
@@ -43,12 +45,20 @@ def external_cluster():
 
         threading.Thread(target=read, daemon=True).start()
 
-        def address():
-            found = [ln.rsplit(" ", 1)[1].strip() for ln in list(lines) if "Ray address" in ln]
+        def printed(what):
+            found = [ln.rsplit(" ", 1)[1].strip() for ln in list(lines) if what in ln]
             assert found or proc.poll() is None, f"the cluster exited with {proc.returncode}"
             return found[0] if found else None
 
-        yield proc, wait_until(address, timeout_s=180, what="the cluster to print its address")
+        address = wait_until(
+            lambda: printed("Ray address"), timeout_s=180, what="the cluster to print its address"
+        )
+        token_path = wait_until(
+            lambda: printed("Ray authentication token in"),
+            timeout_s=30,
+            what="the cluster to say where its Ray token is",
+        )
+        yield proc, address, token_path
     finally:
         assert stop_process(proc) == 0
 
@@ -56,19 +66,24 @@ def external_cluster():
 def test_controller_joins_an_existing_cluster_and_leaves_it_running(
     tmp_path_factory, external_cluster
 ):
-    cluster_proc, address = external_cluster
+    cluster_proc, address, token_path = external_cluster
     # Started from a directory whose modules share our package names: neither the
     # controller nor its Ray workers may import them.
     decoys = tmp_path_factory.mktemp("decoys")
     for name in ("worker", "controller", "programs"):
         (decoys / f"{name}.py").write_text(f"raise ImportError('decoy {name}.py was imported')\n")
     controller = start_controller(
-        tmp_path_factory, "ray-address", ray_address=address, cwd=str(decoys)
+        tmp_path_factory,
+        "ray-address",
+        ray_address=address,
+        cwd=str(decoys),
+        env=ray_auth_env(token_path),
     )
     try:
         with slicewise.connect(controller.address) as client:
             health = client.health()
             assert health.simulation_pid == 0  # it started no simulation of its own
+            assert health.ray_auth_token_path == ""  # nor holds a Ray token of its own
             info = client.cluster_info()
             assert sorted(s.slice_type for s in info.slices) == ["v5litepod-1"] * 2
             with client.allocate(slices=2, slice_type="v5litepod-1", timeout=120) as gang:
@@ -93,3 +108,29 @@ def test_controller_joins_an_existing_cluster_and_leaves_it_running(
         assert cluster_proc.poll() is None, "stopping the controller stopped the Ray cluster"
     finally:
         controller.stop()
+
+
+@pytest.mark.parametrize(
+    "auth", [{"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": "0" * 64}, {"RAY_AUTH_MODE": "disabled"}]
+)
+def test_a_ray_driver_without_the_clusters_token_is_refused(external_cluster, auth):
+    _, address, token_path = external_cluster
+    assert oct(os.stat(token_path).st_mode & 0o777) == "0o600"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_AUTH")}
+    driver = subprocess.Popen(
+        [sys.executable, "-c", "import ray, sys; ray.init(address=sys.argv[1])", address],
+        env=env | auth | {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"},
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        said: list[str] = []
+        threading.Thread(target=lambda: said.extend(driver.stderr), daemon=True).start()
+        wait_until(
+            lambda: any("Authentication token is missing or incorrect" in ln for ln in said),
+            timeout_s=120,
+            what="Ray's GCS to refuse the driver",
+        )
+    finally:
+        stop_process(driver)

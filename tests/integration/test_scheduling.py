@@ -47,7 +47,7 @@ def sched_controller(tmp_path_factory, cluster, failpoints):
         tmp_path_factory,
         "scheduling",
         ray_address=cluster.address,
-        env={"SLICEWISE_FAILPOINTS": str(failpoints)},
+        env={"SLICEWISE_FAILPOINTS": str(failpoints)} | cluster.ray_env(),
         extra_args=("--preemption-grace", str(GRACE_S)),
     )
     try:
