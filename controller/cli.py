@@ -25,6 +25,7 @@ def _controller(args: argparse.Namespace) -> int:
             host_object_store_mb=args.host_object_store_mb,
             head_object_store_mb=args.head_object_store_mb,
             metrics_port=args.metrics_port,
+            metrics_host=args.metrics_host,
             state_dir=args.state_dir,
             stop_on_stdin_eof=args.stop_on_stdin_eof,
             tokens_file=args.tokens_file,
@@ -380,6 +381,13 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         metavar="PORT",
         help="serve Prometheus metrics on this port (0 picks a free one)",
+    )
+    p.add_argument(
+        "--metrics-host",
+        default="127.0.0.1",
+        metavar="HOST",
+        help="the address the metrics listen on; they have no authentication, so loopback "
+        "unless a scraper elsewhere needs them (default %(default)s)",
     )
     p.add_argument(
         "--preemption-grace",

@@ -34,6 +34,9 @@ class ServerConfig:
     host_object_store_mb: int = 1536
     head_object_store_mb: int = 3072
     metrics_port: int | None = None
+    # Cluster-wide aggregates, without tenants' ids, but unauthenticated: loopback unless
+    # the operator opens them to a scraper.
+    metrics_host: str = "127.0.0.1"
     options: ControllerOptions = field(default_factory=ControllerOptions)
     # Stop when standard input reaches its end: a parent that started the controller on a
     # pipe (tests, scripts) takes it down by exiting, even when killed outright.
@@ -296,8 +299,11 @@ async def _serve(
     if config.metrics_port is not None:
         from controller.metrics import serve_metrics
 
-        metrics_port = serve_metrics(config.metrics_port, config.host)
-        print(f"slicewise metrics on http://{config.host}:{metrics_port}/metrics", flush=True)
+        metrics_port = serve_metrics(config.metrics_port, config.metrics_host)
+        print(
+            f"slicewise metrics on http://{config.metrics_host}:{metrics_port}/metrics",
+            flush=True,
+        )
     # Tests and scripts wait for this exact line (printed last, when all is up).
     print(f"slicewise controller listening on {config.host}:{port} ({slices} slices)", flush=True)
     await stop.wait()
