@@ -139,9 +139,11 @@ def phases(
     ready, until it ran (programs loaded, checkpoint restored), until its first step
     finished."""
     released = first_event(
-        events, start, rf"^gang g\d+: released: gang g\d+ failed under job {job_id},"
+        events,
+        start,
+        rf"^gang g\d+-[a-z2-7]+: released: gang g\d+-[a-z2-7]+ failed under job {job_id},",
     )
-    ready = first_event(events, released or start, rf"gang g\d+ ready:.*\bjob={job_id}\]")
+    ready = first_event(events, released or start, rf"gang g\d+-[a-z2-7]+ ready:.*\bjob={job_id}\]")
     running = first_event(events, ready or start, rf"^job {job_id} running:")
     return {
         "release": 0.0 if released is None else released - start,

@@ -40,6 +40,7 @@ from slicewise.common.errors import (
     InvalidRequestError,
     NotFoundError,
 )
+from slicewise.common.ids import unguessable_id
 from slicewise.common.topology import slice_type
 from slicewise.common.trace import SpanRecorder
 
@@ -61,8 +62,9 @@ class GangManager:
         next_id: Callable[[], int] | None = None,
         gone: Mapping[str, str] | None = None,
     ) -> None:
-        """`next_id` numbers the gangs (g1, g2, ...; a journal's counter keeps numbering
-        across restarts); `gone` says why ids of an earlier run no longer name a gang."""
+        """`next_id` numbers the gangs (`g1-<suffix>`, `g2-...`: slicewise/common/ids.py; a
+        journal's counter keeps numbering across restarts); `gone` says why ids of an
+        earlier run no longer name a gang."""
         self.options = options
         self.scheduler = Scheduler(clock, grace_s=options.preemption_grace_s)
         self.gangs: dict[str, Gang] = {}
@@ -147,7 +149,7 @@ class GangManager:
     # -- lookups --------------------------------------------------------------------
 
     def resolve(self, gang_id: str, *, usable: bool = True) -> tuple[Gang, str]:
-        """The gang an id (or a shared gang's attachment id `g3@a2`) names, and the
+        """The gang an id (or a shared gang's attachment id `g3-...@a2`) names, and the
         attachment it was used through ("" for the owner of an unshared gang).
 
         Raises:
@@ -280,7 +282,7 @@ class GangManager:
         timeout_s = timeout_s or self.options.allocate_timeout_s
         chips = num_slices * stype.chips
         self._check_caps(chips, priority)
-        gang_id = f"g{self._next_id()}"
+        gang_id = unguessable_id("g", self._next_id())
         self._asking[gang_id] = (current_identity().tenant, chips)
         request = GangRequest(
             gang_id,

@@ -69,7 +69,7 @@ _ARRAYS_GONE = "its arrays are gone: upload them again once it is back"
 
 
 def why_unusable(gang: Gang, name: str, position: int | None) -> str | None:
-    """The sentence a client reads when it uses `gang` (as `name`, e.g. `g3@a1`) and the
+    """The sentence a client reads when it uses `gang` (as `name`, e.g. `g3-...@a1`) and the
     gang cannot run work now, saying what to do; None when it can. `position` is the
     gang's place in the admission queue, if it is queued."""
     state, to = gang.state, gang.stopping_to

@@ -82,6 +82,7 @@ from slicewise.common.errors import (
     NotFoundError,
     ShuttingDownError,
 )
+from slicewise.common.ids import id_order, unguessable_id
 from slicewise.common.mesh import MeshSpec, ShardingSpec
 from slicewise.common.topology import slice_type as lookup_slice_type
 
@@ -234,7 +235,7 @@ class JobRunner:
         lookup_slice_type(spec.slice_type)
         if spec.gang_id:
             self._check_gang_free(spec.gang_id)
-        job_id = f"j{self._next}"
+        job_id = unguessable_id("j", self._next)
         if not spec.checkpoint_dir:
             spec = dataclasses.replace(spec, checkpoint_dir=str(self.checkpoint_root / job_id))
         job = Job(job_id, spec, keep_steps=set(spec.keep_steps))
@@ -274,8 +275,9 @@ class JobRunner:
         return job if job is not None and may_see(job.spec.tenant) else None
 
     def visible(self) -> list[Job]:
-        """The jobs the caller may see, in submission order."""
-        return [j for j in self.jobs.values() if may_see(j.spec.tenant)]
+        """The jobs the caller may see, in submission order (by number: j9 before j10)."""
+        jobs = [j for j in self.jobs.values() if may_see(j.spec.tenant)]
+        return sorted(jobs, key=lambda j: id_order(j.job_id))
 
     def get(self, job_id: str) -> Job:
         job = self.find(job_id)

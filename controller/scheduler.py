@@ -41,6 +41,7 @@ from dataclasses import KW_ONLY, dataclass, field
 from controller.inventory import Slice, check_can_ever_fit
 from controller.preemption import Candidate, cheapest_victims, victim_cost
 from slicewise.common.errors import InvalidRequestError, NotFoundError
+from slicewise.common.ids import id_order
 from slicewise.common.topology import SliceType
 
 GRACE_S = 30.0
@@ -697,9 +698,10 @@ class _Walk:
     def _waiting(self, entry: _Entry, res: dict[str, list[str]]) -> None:
         if self.explain:
             reserved = sum(len(v) for v in res.values())
+            victims = ", ".join(sorted(entry.victims, key=id_order)) or "nobody"
             self.result.reasons[entry.request.request_id] = (
-                f"waiting for {', '.join(sorted(entry.victims)) or 'nobody'} to release "
-                f"slices preempted for it; {reserved} freed for it so far"
+                f"waiting for {victims} to release slices preempted for it; "
+                f"{reserved} freed for it so far"
             )
 
     def _blocked_reason(self, entry: _Entry, avail: dict[str, int]) -> str:
@@ -717,7 +719,9 @@ class _Walk:
             for gang in s._gangs.values():
                 for stype in gang.types.values():
                     self.holders.setdefault(stype.name, set()).add(gang.request.request_id)
-        holders = sorted(set().union(*(self.holders.get(t, set()) for t in entry.types)))
+        holders = sorted(
+            set().union(*(self.holders.get(t, set()) for t in entry.types)), key=id_order
+        )
         if len(entry.types) == 1:
             head = f"needs {r.num_slices} free {entry.types[0]} slice(s), {parts[0]}"
         else:

@@ -1,6 +1,6 @@
 """Shared gangs (Pathways-style multi-tenancy): clients that allocate with the same
-`shared` name attach to one gang and get their own attachment id, `g3@a2`, to use as the
-gang id; their programs are interleaved in the gang's single order by weight.
+`shared` name attach to one gang and get their own attachment id, `g3-...@a2`, to use as
+the gang id; their programs are interleaved in the gang's single order by weight.
 
 Exactly one gang of a name is created at a time: clients that ask while it is being
 created wait for it, and all of them get its error if the creation fails (the name is

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -19,6 +20,7 @@ import pytest
 import slicewise
 from protos import controller_pb2 as pb
 from slicewise.common.checkpoints import committed_steps
+from slicewise.common.ids import ID_PATTERN, id_order
 from slicewise.launch import ControllerProcess, RestartableController
 from slicewise.testing import wait_until
 from tests.integration.conftest import _LOG_OF, _LOGS
@@ -90,7 +92,7 @@ def interrupted_run(restartable: Restartable, how: signal.Signals, tmp_path: Pat
             STEPS,
             checkpoint_every=EVERY,
         )
-        assert job.job_id == "j1"
+        assert ID_PATTERN.fullmatch(job.job_id) and job.job_id.startswith("j1-"), job.job_id
         watch_out = tmp_path / "watch.txt"
         watcher = watch_in_another_process(first.address, job.job_id, watch_out)
         try:
@@ -120,14 +122,14 @@ def interrupted_run(restartable: Restartable, how: signal.Signals, tmp_path: Pat
                 done, steps = finished(again, job.job_id)
                 # Ids go on counting: an old id never names a new object.
                 fresh = submit_lm(again, 1, checkpoint_every=0)
-                assert fresh.job_id == "j2"
+                assert fresh.job_id.startswith("j2-"), fresh.job_id
                 finished(again, fresh.job_id)
                 with pytest.raises(grpc.RpcError) as lost:
                     again.stub.GetGangStats(pb.GangStatsRequest(gang_id=old_gang), timeout=30)
                 assert lost.value.code() is grpc.StatusCode.FAILED_PRECONDITION
                 assert "controller restarted" in lost.value.details()
                 with again.allocate(slices=1, slice_type="v5litepod-4") as gang:
-                    assert int(gang.id.lstrip("g")) > int(old_gang.lstrip("g")) + 1
+                    assert id_order(gang.id)[1] > id_order(old_gang)[1] + 1
             watcher.wait(timeout=120)
             assert watcher.returncode == 0, watch_out.read_text()
             return done, steps, held, watch_out.read_text()
@@ -151,7 +153,7 @@ def check_continued(done, steps, held, watched, uninterrupted, restartable) -> N
     )
     # The second process followed the job through the restart to its end.
     assert "lost the controller" in watched
-    assert f"j1 step {STEPS}/{STEPS} loss" in watched
+    assert re.search(rf"^j1-[a-z2-7]{{13}} step {STEPS}/{STEPS} loss", watched, re.M), watched
     assert "succeeded" in watched
 
 

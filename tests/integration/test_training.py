@@ -16,6 +16,7 @@ from controller.jobview import TERMINAL
 from programs.base import get_program, reference_train
 from programs.lm.config import SMALL_OVERRIDES
 from protos import controller_pb2 as pb
+from slicewise.common.ids import ID_PATTERN
 from slicewise.testing import wait_until
 
 pytestmark = pytest.mark.integration
@@ -147,7 +148,7 @@ def test_detach_kill_the_client_rewatch_then_cancel_frees_the_gang(client, contr
         )
         assert detached.returncode == 0, detached.stderr
         short_id = detached.stdout.strip()
-        assert short_id.startswith("j") and short_id[1:].isdigit(), detached.stdout
+        assert ID_PATTERN.fullmatch(short_id) and short_id.startswith("j"), detached.stdout
         assert client.job(short_id).state == pb.JOB_STATE_QUEUED
 
     # A following client that gets killed: the job goes on.

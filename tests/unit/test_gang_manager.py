@@ -50,6 +50,14 @@ async def manager_for(cluster, clock=None, grace_s: float = 30.0) -> GangManager
     return manager
 
 
+def numbered(manager, number: int) -> str:
+    """The id of the manager's gang or queued request numbered `number` (`g2-<suffix>`): a
+    test knows which gang comes when, never the random part of its id."""
+    ids = [*manager.gangs, *(r.request_id for r in manager.scheduler.queued())]
+    (found,) = [i for i in ids if i.startswith(f"g{number}-")]
+    return found
+
+
 def holders(manager) -> dict[str, str]:
     return {
         name: holder
@@ -70,7 +78,7 @@ def test_a_gang_starts_only_on_whole_free_slices_and_the_next_request_waits_its_
         await asyncio.sleep(0.01)
         waiting = (
             second.done(),
-            manager.scheduler.position("g2"),
+            manager.scheduler.position(numbered(manager, 2)),
             len(cluster.reservations),
             sorted(set(holders(manager).values())),
         )
@@ -81,7 +89,7 @@ def test_a_gang_starts_only_on_whole_free_slices_and_the_next_request_waits_its_
     cluster, first, second, waiting = run(scenario())
     assert first.state is GangState.RELEASED and second.state is GangState.READY
     done, position, reservations, held_by = waiting
-    assert (done, position, reservations, held_by) == (False, 0, 1, ["g1"])
+    assert (done, position, reservations, held_by) == (False, 0, 1, [first.gang_id])
     one, two = cluster.reservations
     assert len(one.hosts) == len(two.hosts) == 3  # one bundle per host, all at once
     # The second gang was reserved only after the first one's hosts were freed.
@@ -127,7 +135,7 @@ def test_a_slice_that_loses_a_host_mid_reservation_is_rolled_back_and_retried_in
         state_while_retrying = (reservation.removed, behind.done())
         retry.make_ready()
         gang, _ = await first
-        position = manager.scheduler.position("g2")
+        position = manager.scheduler.position(numbered(manager, 2))
         behind.cancel()
         return cluster, gang, lost, reservation, retry, state_while_retrying, position
 
@@ -177,8 +185,9 @@ def test_two_clients_allocating_one_shared_name_at_once_attach_to_one_gang():
         return cluster, manager, await both
 
     cluster, manager, ((gx, idx), (gy, idy)) = run(scenario())
-    assert gx is gy and len(cluster.reservations) == 1 and list(manager.gangs) == ["g1"]
-    assert idx.split("@")[0] == idy.split("@")[0] == "g1" and idx != idy
+    assert gx is gy and len(cluster.reservations) == 1 and list(manager.gangs) == [gx.gang_id]
+    assert gx.gang_id.startswith("g1-")
+    assert idx.split("@")[0] == idy.split("@")[0] == gx.gang_id and idx != idy
     assert sorted(gx.attachments.values()) == [("x", 1.0), ("y", 2.0)]
 
 
@@ -200,7 +209,8 @@ def test_when_a_shared_gang_cannot_be_created_both_clients_get_the_error_and_the
     cluster, errors, again, again_id = run(scenario())
     assert [type(e) for e in errors] == [WorkerError, WorkerError]
     assert all("no room on the hosts" in str(e) for e in errors)
-    assert again.gang_id == "g2" and again_id.startswith("g2@") and again.state is GangState.READY
+    assert again.gang_id.startswith("g2-") and again_id.startswith(f"{again.gang_id}@")
+    assert again.state is GangState.READY
     assert cluster.held() == [cluster.reservations[1]]
 
 
@@ -211,7 +221,7 @@ def test_a_queued_caller_that_is_cancelled_or_times_out_leaves_nothing_behind():
     async def scenario():
         cluster = FakeCluster(V4, V4)
         manager = await manager_for(cluster)
-        await manager.allocate(2, V4)
+        first, _ = await manager.allocate(2, V4)
         cancelled = asyncio.create_task(manager.allocate(2, V4))
         await asyncio.sleep(0.01)
         queued_before = [r.request_id for r in manager.scheduler.queued()]
@@ -219,12 +229,12 @@ def test_a_queued_caller_that_is_cancelled_or_times_out_leaves_nothing_behind():
         await asyncio.gather(cancelled, return_exceptions=True)
         with pytest.raises(DeadlineError, match="could be admitted in time: needs 2 free"):
             await manager.allocate(2, V4, timeout_s=0.02)
-        return cluster, manager, queued_before
+        return cluster, manager, first, queued_before
 
-    cluster, manager, queued_before = run(scenario())
-    assert queued_before == ["g2"]
+    cluster, manager, first, queued_before = run(scenario())
+    assert [q.partition("-")[0] for q in queued_before] == ["g2"]
     assert manager.scheduler.queued() == [] and manager._waiters == {}
-    assert list(manager.gangs) == ["g1"] and len(cluster.reservations) == 1
+    assert list(manager.gangs) == [first.gang_id] and len(cluster.reservations) == 1
 
 
 def test_a_caller_cancelled_just_as_it_is_admitted_gives_the_slices_back():
@@ -241,7 +251,7 @@ def test_a_caller_cancelled_just_as_it_is_admitted_gives_the_slices_back():
         return cluster, manager, admitted, results
 
     cluster, manager, admitted, results = run(scenario())
-    assert set(admitted.values()) == {"g2"}
+    assert [a.partition("-")[0] for a in set(admitted.values())] == ["g2"]
     assert isinstance(results[0], asyncio.CancelledError)
     assert holders(manager) == {} and manager.scheduler.queued() == []
     assert len(cluster.reservations) == 1 and manager.gangs == {}
@@ -289,8 +299,8 @@ def test_a_yielding_gang_stops_goes_preempted_and_resumes_when_admitted_again():
     assert state is GangState.PREEMPTED and epoch == 1 and held == []
     assert low.epoch == 2 and kinds == ["preempt", "preempted", "resumed"]
     assert [w.spec.name for w in cluster.live_workers()] == [
-        "slicewise-g1-e2-p0",
-        "slicewise-g1-e2-p1",
+        f"slicewise-{low.gang_id}-e2-p0",
+        f"slicewise-{low.gang_id}-e2-p1",
     ]
     assert len(cluster.held()) == 1
 
@@ -304,14 +314,14 @@ def test_a_preemption_that_comes_while_a_gang_starts_is_carried_out_once_it_is_u
         reservation = await cluster.reservation()
         high_task = asyncio.create_task(manager.allocate(1, V4, priority=10))
         await asyncio.sleep(0.01)
-        state_while_starting = manager.gangs["g1"].state
+        state_while_starting = manager.gangs[numbered(manager, 1)].state
         reservation.make_ready()
         low, _ = await low_task
-        return state_while_starting, low.state, low.preempted_by, high_task
+        return state_while_starting, low.state, low.preempted_by, numbered(manager, 2), high_task
 
-    starting, state, by, high_task = run(scenario())
+    starting, state, by, high_id, high_task = run(scenario())
     assert starting is GangState.STARTING
-    assert state is GangState.PREEMPTING and by == "g2"
+    assert state is GangState.PREEMPTING and by == high_id
     high_task.cancel()
 
 
@@ -347,18 +357,18 @@ def test_execute_on_a_gang_being_preempted_gets_failed_precondition_with_the_rea
         stopping = await execute(servicer, low_id)
         await low.wait_stopped()
         preempted = await execute(servicer, low_id)
-        await high_task
-        return in_grace, stopping_state, stopping, preempted
+        high, _ = await high_task
+        return in_grace, stopping_state, stopping, preempted, low.gang_id, high.gang_id
 
-    in_grace, stopping_state, stopping, preempted = run(scenario())
+    in_grace, stopping_state, stopping, preempted, low, high = run(scenario())
     assert in_grace[0] is grpc.StatusCode.NOT_FOUND
     assert stopping_state is GangState.STOPPING
     code, details = stopping
     assert code is grpc.StatusCode.FAILED_PRECONDITION
-    assert "gang g1 is being preempted by g2" in details and "queued to resume" in details
+    assert f"gang {low} is being preempted by {high}" in details and "queued to resume" in details
     code, details = preempted
     assert code is grpc.StatusCode.FAILED_PRECONDITION
-    assert "gang g1 was preempted by g2 and is queued to resume" in details
+    assert f"gang {low} was preempted by {high} and is queued to resume" in details
 
 
 def test_a_gang_whose_worker_died_names_the_host_and_never_reports_internal():
@@ -375,13 +385,13 @@ def test_a_gang_whose_worker_died_names_the_host_and_never_reports_internal():
         await until(lambda: gang.state is GangState.FAILED)
         with pytest.raises(GangBrokenError) as broken:
             dispatcher.submit(lambda seq: DeleteOp(seq, ()))
-        return broken.value, await execute(servicer, gang_id)
+        return broken.value, await execute(servicer, gang_id), gang_id
 
-    broken, (code, details) = run(scenario())
+    broken, (code, details), gang_id = run(scenario())
     host = "host 0 of slice sim-1-v5litepod-4"
     assert status_code_for(broken) is grpc.StatusCode.UNAVAILABLE and host in str(broken)
     assert code is grpc.StatusCode.FAILED_PRECONDITION
-    assert f"gang g1 failed (WorkerError: {host} closed" in details
+    assert f"gang {gang_id} failed (WorkerError: {host} closed" in details
     assert "release it and allocate a new one" in details
 
 
@@ -397,14 +407,14 @@ def test_release_while_a_preemption_stop_is_under_way_follows_it_to_released():
         manager.decide()
         assert low.state is GangState.STOPPING
         await manager.release(low_id)
-        await high_task
-        with pytest.raises(FailedPreconditionError, match="gang g1 was released"):
+        high, _ = await high_task
+        with pytest.raises(FailedPreconditionError, match=f"gang {low_id} was released"):
             manager.resolve(low_id)
-        return low, manager
+        return low, high, manager
 
-    low, manager = run(scenario())
+    low, high, manager = run(scenario())
     assert low.state is GangState.RELEASED
-    assert manager.scheduler.queued() == [] and list(manager.gangs) == ["g2"]
+    assert manager.scheduler.queued() == [] and list(manager.gangs) == [high.gang_id]
 
 
 def test_every_error_class_names_a_status_that_the_errors_docstring_documents():
@@ -471,7 +481,8 @@ def test_a_restarted_controller_numbers_gangs_after_the_old_ones_and_says_what_b
         return kept.gang_id, ended.gang_id, fresh.gang_id, errors, journal.running_gangs()
 
     kept, ended, fresh, errors, running = run(scenario())
-    assert (kept, ended, fresh) == ("g1", "g2", "g3")  # an old id never names a new gang
-    assert "lost when the controller restarted" in errors["g1"]
-    assert "was released (before the controller restarted)" in errors["g2"]
-    assert running == [("g3", "c")]
+    # An old id never names a new gang: the numbers go on counting.
+    assert [i.partition("-")[0] for i in (kept, ended, fresh)] == ["g1", "g2", "g3"]
+    assert "lost when the controller restarted" in errors[kept]
+    assert "was released (before the controller restarted)" in errors[ended]
+    assert running == [(fresh, "c")]

@@ -139,7 +139,7 @@ def test_a_tenant_may_have_only_so_many_allocations_waiting():
         held, _ = await manager.allocate(1, V4)  # the local admin holds the only slice
         run_as(ALICE)
         waiting = asyncio.create_task(manager.allocate(1, V4))
-        while manager._position("g2") is None:  # queued behind the held slice
+        while not manager.scheduler.queued():  # queued behind the held slice
             await asyncio.sleep(0.001)
         with pytest.raises(CapacityError) as refused:
             await manager.allocate(1, V4)
