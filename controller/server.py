@@ -193,6 +193,16 @@ def run(config: ServerConfig) -> int:
         log.info("controller stopped")
 
 
+def _ray_token_path(simulation: Any) -> str:
+    """The file holding the token this controller shows Ray: the simulation's, or the
+    one the operator named (RAY_AUTH_TOKEN_PATH); empty when there is none."""
+    if simulation is not None:
+        return str(simulation.auth_token_path)
+    if os.environ.get("RAY_AUTH_MODE") == "token":
+        return os.environ.get("RAY_AUTH_TOKEN_PATH", "")
+    return ""
+
+
 def _security(config: ServerConfig) -> tuple[list[Any], Any, dict[str, Any]]:
     """The server's interceptors (authentication), port credentials (TLS; None for a
     plain port) and the tenants' caps.
@@ -263,7 +273,7 @@ async def _serve(
             jobs,
             simulation_pid=simulation.pid if simulation else 0,
             ray_address=ray_address,
-            ray_auth_token_path=str(simulation.auth_token_path) if simulation else "",
+            ray_auth_token_path=_ray_token_path(simulation),
         ),
         server,
     )

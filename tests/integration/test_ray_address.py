@@ -83,7 +83,7 @@ def test_controller_joins_an_existing_cluster_and_leaves_it_running(
         with slicewise.connect(controller.address) as client:
             health = client.health()
             assert health.simulation_pid == 0  # it started no simulation of its own
-            assert health.ray_auth_token_path == ""  # nor holds a Ray token of its own
+            assert health.ray_auth_token_path == token_path  # the cluster's, as told
             info = client.cluster_info()
             assert sorted(s.slice_type for s in info.slices) == ["v5litepod-1"] * 2
             with client.allocate(slices=2, slice_type="v5litepod-1", timeout=120) as gang:
