@@ -18,6 +18,7 @@ BENCHMARKS = {
     "checkpoint": "benchmarks.checkpoint",
     "recovery": "benchmarks.recovery",
     "moe": "benchmarks.moe_dispatch",
+    "load": "benchmarks.load",
 }
 
 

@@ -18,8 +18,11 @@ from slicewise.common.arrays import ArraySpec
 from slicewise.common.errors import FailedPreconditionError, NotFoundError
 from slicewise.common.mesh import ShardingSpec
 
-# How many deleted or released handles to remember, for a precise error message.
+# How many deleted handles of held gangs, and how many released gangs, to remember for a
+# precise error message. A released gang's handles are remembered through its id, not one
+# by one: what a gang's calls leave here goes with the gang.
 _FORGOTTEN_LIMIT = 100_000
+_GONE_GANGS = 10_000
 
 
 class ArrayState(enum.Enum):
@@ -62,7 +65,12 @@ class ArrayTable:
 
     def __init__(self) -> None:
         self._records: dict[str, ArrayRecord] = {}
-        self._forgotten: OrderedDict[str, str] = OrderedDict()
+        # gang id -> the handles of its arrays deleted while it is held (insertion order:
+        # a handle's number), at most _FORGOTTEN_LIMIT in all, oldest forgotten first.
+        self._deleted: dict[str, dict[str, None]] = {}
+        self._num_deleted = 0
+        # gang id -> why its arrays went (it "was released", ...), for its handles.
+        self._gone: OrderedDict[str, str] = OrderedDict()
         self._ids = itertools.count(1)
         # Whether the caller may see the arrays of a gang (by id); the controller sets it
         # to its tenants' rule (controller/auth.py). Another tenant's arrays answer as
@@ -71,6 +79,11 @@ class ArrayTable:
 
     def __len__(self) -> int:
         return len(self._records)
+
+    @property
+    def remembered(self) -> int:
+        """How many forgotten handles and gangs are remembered for error messages."""
+        return self._num_deleted + len(self._gone)
 
     def new(
         self, gang_id: str, spec: ArraySpec, sharding: ShardingSpec | None = None
@@ -88,23 +101,50 @@ class ArrayTable:
         record = self._records.get(handle)
         if record is not None and self.visible(record.gang_id):
             return record
-        why = self._forgotten.get(handle) if record is None and self.visible(handle) else None
+        why = self._why_forgotten(handle) if record is None and self.visible(handle) else None
         if why is not None:
             raise NotFoundError(f"array {handle} {why}")
         raise NotFoundError(f"array handle {handle!r} is unknown to this controller")
 
+    def _why_forgotten(self, handle: str) -> str | None:
+        gang_id = handle.partition("/")[0]
+        if handle in self._deleted.get(gang_id, ()):
+            return "was deleted"
+        why = self._gone.get(gang_id)
+        if why is not None and handle.startswith(f"{gang_id}/a"):
+            return f"belonged to gang {gang_id}, which {why}"
+        return None
+
     def delete(self, handle: str) -> ArrayRecord:
         record = self.get(handle)
         del self._records[handle]
-        self._forget(handle, "was deleted")
+        self._deleted.setdefault(record.gang_id, {})[handle] = None
+        self._num_deleted += 1
+        while self._num_deleted > _FORGOTTEN_LIMIT:
+            self._forget_oldest_deleted()
         return record
 
+    def _forget_oldest_deleted(self) -> None:
+        # Deletes come in handle order within a gang, mostly: the gang with the oldest
+        # remembered handle goes first, one handle at a time.
+        oldest = min(self._deleted, key=lambda g: _number(next(iter(self._deleted[g]))))
+        handles = self._deleted[oldest]
+        del handles[next(iter(handles))]
+        self._num_deleted -= 1
+        if not handles:
+            del self._deleted[oldest]
+
     def drop_gang(self, gang_id: str, why: str) -> int:
+        """Forgets every array of a gang that stopped (`why`: "was released", ...); its
+        handles are remembered as the gang's from now on."""
         dropped = [h for h, r in self._records.items() if r.gang_id == gang_id]
         for handle in dropped:
-            record = self._records.pop(handle)
-            record.settle(f"gang {gang_id} {why}")
-            self._forget(handle, f"belonged to gang {gang_id}, which {why}")
+            self._records.pop(handle).settle(f"gang {gang_id} {why}")
+        self._num_deleted -= len(self._deleted.pop(gang_id, {}))
+        self._gone[gang_id] = why
+        self._gone.move_to_end(gang_id)
+        while len(self._gone) > _GONE_GANGS:
+            self._gone.popitem(last=False)
         return len(dropped)
 
     def nbytes(self, gang_ids: set[str]) -> int:
@@ -114,7 +154,7 @@ class ArrayTable:
     def count(self, gang_id: str) -> int:
         return sum(1 for r in self._records.values() if r.gang_id == gang_id)
 
-    def _forget(self, handle: str, why: str) -> None:
-        self._forgotten[handle] = why
-        while len(self._forgotten) > _FORGOTTEN_LIMIT:
-            self._forgotten.popitem(last=False)
+
+def _number(handle: str) -> int:
+    """N of a handle "g3/aN": handles are numbered in the order they are made."""
+    return int(handle.rpartition("/a")[2])

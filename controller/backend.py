@@ -76,7 +76,9 @@ class Worker(Protocol):
 
     async def compiled_text(self, program_id: str) -> str: ...
 
-    async def trace_spans(self) -> list[Span]: ...
+    async def trace_spans(self, last: int = 0) -> list[Span]:
+        """The worker's spans; with `last`, only its most recent `last`."""
+        ...
 
     async def drop_pin(self, pin_id: str) -> None: ...
 
@@ -190,8 +192,8 @@ class _Actor:
     async def compiled_text(self, program_id: str) -> str:
         return await self.actor.compiled_text.remote(program_id)
 
-    async def trace_spans(self) -> list[Span]:
-        return await self.actor.trace_spans.remote()
+    async def trace_spans(self, last: int = 0) -> list[Span]:
+        return await self.actor.trace_spans.remote(last=last)
 
     async def drop_pin(self, pin_id: str) -> None:
         await self.actor.drop_pin.remote(pin_id)

@@ -9,12 +9,12 @@ a thread so that one client's upload never stalls another client's dispatch.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import logging
 import math
 import time
 import uuid
-from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -28,10 +28,12 @@ from controller.backend import ClusterBackend, RayBackend
 from controller.dispatch import Ticket
 from controller.gang import Gang
 from controller.gangstate import GangState
+from controller.inventory import check_can_ever_fit
 from controller.journal import Journal
 from controller.options import DEFAULT_OPTIONS, ControllerOptions
 from controller.programs import Program, ProgramRegistry, load_program, program_id_of
 from controller.scheduler import Scheduler
+from controller.timelines import TimelineArchive, Track
 from slicewise.common.arrays import ArraySpec, dtype_of
 from slicewise.common.errors import (
     CapacityError,
@@ -57,8 +59,8 @@ from slicewise.common.ops import (
     RestoreOp,
     SaveOp,
 )
-from slicewise.common.topology import HBM_BYTES_PER_CHIP
-from slicewise.common.trace import Span, SpanRecorder, chrome_trace
+from slicewise.common.topology import HBM_BYTES_PER_CHIP, slice_type
+from slicewise.common.trace import SpanRecorder, chrome_trace
 from slicewise.common.trace import now_us as trace_now_us
 
 log = logging.getLogger(__name__)
@@ -114,8 +116,9 @@ class Controller:
         )
         self.arrays.visible = self.manager.visible  # tenants see only their gangs' arrays
         self.journal = journal
-        # Worker timelines of released gangs, so a trace can still be taken afterwards.
-        self._archived_spans: OrderedDict[str, list[tuple[str, list[Span]]]] = OrderedDict()
+        # Timelines of released gangs (theirs and their workers' spans), so a trace can
+        # still be taken afterwards; the live recorder keeps only those of held gangs.
+        self.timelines = TimelineArchive()
         self._gauges: asyncio.Task[None] | None = None
         self._unpinning: set[asyncio.Task[None]] = set()  # see _unpin
         self._journalled: set[str] = set()
@@ -180,18 +183,24 @@ class Controller:
         """Releases a gang, or detaches an attachment of a shared one (see
         GangManager.release); keeps the workers' timelines for a later trace."""
         gang, attachment = self.manager.resolve(gang_id, usable=False)
-        if not attachment or len(gang.attachments) == 1:
+        hosts: list[Track] = []
+        if not requeue and (not attachment or len(gang.attachments) == 1):
             # A failed gang's lost workers never answer, and a job waits to recover.
             wait = 1.0 if gang.state is GangState.FAILED else 5.0
-            self._archived_spans[gang.gang_id] = await gang.collect_spans(timeout_s=wait)
-            while len(self._archived_spans) > 32:
-                self._archived_spans.popitem(last=False)
+            share = self.timelines.share(gang.shape.num_processes + 1)
+            hosts = await gang.collect_spans(timeout_s=wait, last=share)
         await self.manager.release(gang_id, why, requeue=requeue)
+        if hosts and gang.state is GangState.RELEASED:
+            # Beside the controller's track, which `_gang_stopped` archived.
+            self.timelines.add(gang.gang_id, [*(self.timelines.get(gang.gang_id) or []), *hosts])
         self._update_gauges()
 
     def _gang_stopped(self, gang: Gang, why: str) -> None:
         dropped = self.arrays.drop_gang(gang.gang_id, why)
         log.info("gang %s %s (%d arrays freed)", gang.gang_id, why, dropped)
+        if gang.state is GangState.RELEASED:
+            mine = self.spans.remove(where={"gang": gang.gang_id})
+            self.timelines.add(gang.gang_id, [("controller", mine)])
         if self.journal is not None and gang.state is GangState.RELEASED:
             self._journalled.discard(gang.gang_id)
             self.journal.end_gang(gang.gang_id, why, time.time())
@@ -211,6 +220,11 @@ class Controller:
             journal.end_gang(gang_id, lost, time.time())
             gone[gang_id] = lost
         return gone
+
+    def check_can_ever_fit(self, num_slices: int, slice_type_name: str) -> None:
+        """Raises CapacityError (or InvalidRequestError) unless some day this cluster could
+        hold `num_slices` slices of the type: a job's, when it is submitted."""
+        check_can_ever_fit(self.scheduler.inventory, num_slices, slice_type(slice_type_name))
 
     def get_gang(self, gang_id: str, *, usable: bool = True) -> Gang:
         return self.manager.get(gang_id, usable=usable)
@@ -361,7 +375,8 @@ class Controller:
         if not handle.startswith("@"):
             return self._usable_array(handle, gang_id).spec
         k, i = _batch_ref(handle)
-        if k >= len(plan) or i >= len(plan[k][0].outputs):
+        # Negative numbers would index from the end (of an empty plan: IndexError).
+        if not (0 <= k < len(plan) and 0 <= i < len(plan[k][0].outputs)):
             raise InvalidRequestError(
                 f"input {handle!r} refers to output {i} of call {k}, which comes later in the "
                 "batch or does not exist; refer only to earlier calls"
@@ -442,8 +457,11 @@ class Controller:
         started = time.perf_counter()
         indices = target.sharding.process_pieces(spec.shape, gang.shape)
         key = uuid.uuid4().hex
+        staging = asyncio.ensure_future(
+            gang.stage(key, array, [indices[p] for p in range(gang.shape.num_processes)])
+        )
         try:
-            await gang.stage(key, array, [indices[p] for p in range(gang.shape.num_processes)])
+            await asyncio.shield(staging)
             log.debug(
                 "put %s: sent to %d workers in %.3f s",
                 spec,
@@ -452,6 +470,12 @@ class Controller:
             )
         except TransportError as exc:
             raise WorkerError(f"uploading to gang {gang.gang_id} failed: {exc}") from exc
+        except asyncio.CancelledError:
+            # The client went away while its pieces were on their way to the workers,
+            # where they would stay until a PutOp takes them: once they are there, one
+            # goes ahead, for an array deleted at once.
+            staging.add_done_callback(functools.partial(self._abandon_put, target, key))
+            raise
         metrics.BYTES.labels("put").inc(spec.nbytes)
         self.spans.record(
             "send pieces",
@@ -462,9 +486,14 @@ class Controller:
             gang=gang.gang_id,
             bytes=spec.nbytes,
         )
-        record = self.arrays.new(gang.gang_id, spec, target.sharding)
+        return self._queue_put(target, key)
+
+    def _queue_put(self, target: PutTarget, key: str) -> ArrayRecord:
+        """Queues the PutOp that makes an array of the pieces staged under `key`."""
+        spec = target.spec
+        record = self.arrays.new(target.gang.gang_id, spec, target.sharding)
         ticket = self._submit(
-            gang,
+            target.gang,
             target.client,
             _marking(
                 [record],
@@ -473,6 +502,14 @@ class Controller:
         )
         ticket.done.add_done_callback(lambda f: record.settle(f.result()))
         return record
+
+    def _abandon_put(self, target: PutTarget, key: str, staging: asyncio.Future[None]) -> None:
+        """Takes the staged pieces of a put whose client went away off the workers."""
+        if staging.cancelled() or staging.exception() is not None:
+            return
+        # A gang stopped meanwhile took the pieces with its workers.
+        with contextlib.suppress(SlicewiseError):
+            self.delete([self._queue_put(target, key).handle])
 
     async def put_array(
         self, gang_id: str, array: np.ndarray, sharding: ShardingSpec
@@ -724,13 +761,11 @@ class Controller:
         gang = self.gangs.get(gang_id)
         if gang is not None:
             hosts = await gang.collect_spans()
-        elif gang_id in self._archived_spans:
-            hosts = self._archived_spans[gang_id]
-        else:
+            return chrome_trace([("controller", self.spans.spans(where={"gang": gang_id})), *hosts])
+        archived = self.timelines.get(gang_id) if self.manager.visible(gang_id) else None
+        if archived is None:
             self.get_gang(gang_id)  # raises the right error for unknown or released gangs
-            hosts = []
-        mine = self.spans.spans(where={"gang": gang_id})
-        return chrome_trace([("controller", mine), *hosts])
+        return chrome_trace(archived or [])
 
 
 def _numbered(need: ArrayRecord | Ticket) -> bool:

@@ -454,12 +454,15 @@ class Gang:
             f"{self.describe_process(p)} (process {p})" for p in range(self.shape.num_processes)
         ]
 
-    async def collect_spans(self, timeout_s: float = 10.0) -> list[tuple[str, list[Span]]]:
-        """Every worker's spans, named by host; workers that do not answer are skipped."""
+    async def collect_spans(
+        self, timeout_s: float = 10.0, *, last: int = 0
+    ) -> list[tuple[str, list[Span]]]:
+        """Every worker's spans (with `last`, its most recent `last`), named by host;
+        workers that do not answer are skipped."""
         if not self._workers:
             return []
         replies = await asyncio.gather(
-            *(asyncio.wait_for(w.trace_spans(), timeout_s) for w in self._workers),
+            *(asyncio.wait_for(w.trace_spans(last=last), timeout_s) for w in self._workers),
             return_exceptions=True,
         )
         return [

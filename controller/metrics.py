@@ -45,6 +45,12 @@ RPC_SECONDS = Histogram(
 OPERATIONS = Counter("slicewise_operations_total", "Operations dispatched to gangs", ["kind"])
 BYTES = Counter("slicewise_bytes_total", "Array bytes moved through the controller", ["direction"])
 FAILURES = Counter("slicewise_failures_total", "Failed RPCs, operations and workers", ["kind"])
+TRANSFER_BYTES = Gauge(
+    "slicewise_transfer_bytes",
+    "Bytes the controller holds for client transfers under way: puts being received, "
+    "fetches being sent, programs being uploaded (0 when none is)",
+    ["kind"],
+)
 STEP_SECONDS = Histogram(
     "slicewise_step_seconds",
     "Training step time of jobs, as their workers measured it (the slowest host's)",

@@ -9,12 +9,13 @@ refused as INVALID_ARGUMENT like any other client mistake.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
-from typing import Any
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterator
+from typing import Any, cast
 
 import grpc
 import numpy as np
@@ -169,12 +170,35 @@ def _streaming(fn: Callable[..., AsyncIterator[Any]]) -> Callable[..., AsyncIter
     ) -> AsyncIterator[Any]:
         try:
             request = _parsed(request, fn.__name__)
-            async for item in fn(self, request, context):
-                yield item
+            # Closed with this stream, not whenever it is collected: a client that went
+            # away leaves nothing held (a fetch's array) behind.
+            body = cast(AsyncGenerator[Any, None], fn(self, request, context))
+            async with contextlib.aclosing(body) as stream:
+                async for item in stream:
+                    yield item
         except Exception as exc:  # noqa: BLE001
             await _abort(context, fn.__name__, exc)
 
     return wrapper
+
+
+@contextlib.contextmanager
+def _holding(kind: str) -> Iterator[Callable[[int], None]]:
+    """Counts the bytes a transfer holds (`hold(n)` as they arrive) in the
+    TRANSFER_BYTES gauge until the transfer ends, however it ends: also when its client
+    goes away (the call is cancelled) or sends garbage."""
+    gauge = metrics.TRANSFER_BYTES.labels(kind)
+    held = 0
+
+    def hold(nbytes: int) -> None:
+        nonlocal held
+        held += nbytes
+        gauge.inc(nbytes)
+
+    try:
+        yield hold
+    finally:
+        gauge.dec(held)
 
 
 def gang_to_pb(gang: Gang, gang_id: str) -> pb.GangInfo:
@@ -358,24 +382,28 @@ class ControllerServicer(pb_grpc.ControllerServicer):
     ) -> pb.ProgramInfo:
         header: pb.ProgramHeader | None = None
         upload: ProgramUpload | None = None
-        async for chunk in request_iterator:
-            if upload is None:
-                if not chunk.HasField("header"):
-                    raise InvalidRequestError("RegisterProgram's first message must be a header")
-                header = chunk.header
-                self.controller.get_gang(header.gang_id)  # fail fast, before the bytes
-                upload = ProgramUpload(header.name, header.total_bytes)
-            elif chunk.HasField("header"):
-                raise InvalidRequestError(
-                    "RegisterProgram received a second header; send one header, then data"
-                )
-            else:
-                upload.add(chunk.data)
-        if header is None or upload is None:
-            raise InvalidRequestError("RegisterProgram received no messages")
-        program = await self.controller.register_program(
-            header.gang_id, header.name, wire.mesh_from_pb(header.mesh), upload.serialized()
-        )
+        with _holding("program") as hold:
+            async for chunk in request_iterator:
+                if upload is None:
+                    if not chunk.HasField("header"):
+                        raise InvalidRequestError(
+                            "RegisterProgram's first message must be a header"
+                        )
+                    header = chunk.header
+                    self.controller.get_gang(header.gang_id)  # fail fast, before the bytes
+                    upload = ProgramUpload(header.name, header.total_bytes)
+                elif chunk.HasField("header"):
+                    raise InvalidRequestError(
+                        "RegisterProgram received a second header; send one header, then data"
+                    )
+                else:
+                    upload.add(chunk.data)
+                    hold(len(chunk.data))
+            if header is None or upload is None:
+                raise InvalidRequestError("RegisterProgram received no messages")
+            program = await self.controller.register_program(
+                header.gang_id, header.name, wire.mesh_from_pb(header.mesh), upload.serialized()
+            )
         return pb.ProgramInfo(
             program_id=program.program_id,
             name=program.name,
@@ -391,35 +419,38 @@ class ControllerServicer(pb_grpc.ControllerServicer):
         target = None
         offset = 0
         started = time.perf_counter()
-        async for chunk in request_iterator:
+        with _holding("put") as hold:
+            async for chunk in request_iterator:
+                if target is None:
+                    if not chunk.HasField("header"):
+                        raise InvalidRequestError("PutArray's first message must be a header")
+                    h = chunk.header
+                    target = self.controller.begin_put(
+                        h.gang_id, wire.spec_from_pb(h.spec), wire.sharding_from_pb(h.sharding)
+                    )
+                    hold(len(target.buffer))
+                    continue
+                if chunk.HasField("header"):
+                    raise InvalidRequestError(
+                        "PutArray received a second header; send one header, then data"
+                    )
+                data = chunk.data
+                if offset + len(data) > len(target.buffer):
+                    raise InvalidRequestError(
+                        f"PutArray sent more than the {len(target.buffer)} bytes a "
+                        f"{target.spec} array has"
+                    )
+                target.buffer[offset : offset + len(data)] = np.frombuffer(data, dtype=np.uint8)
+                offset += len(data)
             if target is None:
-                if not chunk.HasField("header"):
-                    raise InvalidRequestError("PutArray's first message must be a header")
-                h = chunk.header
-                target = self.controller.begin_put(
-                    h.gang_id, wire.spec_from_pb(h.spec), wire.sharding_from_pb(h.sharding)
-                )
-                continue
-            if chunk.HasField("header"):
+                raise InvalidRequestError("PutArray received no messages")
+            if offset != len(target.buffer):
                 raise InvalidRequestError(
-                    "PutArray received a second header; send one header, then data"
+                    f"PutArray sent {offset} bytes, but a {target.spec} array has "
+                    f"{len(target.buffer)}"
                 )
-            data = chunk.data
-            if offset + len(data) > len(target.buffer):
-                raise InvalidRequestError(
-                    f"PutArray sent more than the {len(target.buffer)} bytes a {target.spec} "
-                    "array has"
-                )
-            target.buffer[offset : offset + len(data)] = np.frombuffer(data, dtype=np.uint8)
-            offset += len(data)
-        if target is None:
-            raise InvalidRequestError("PutArray received no messages")
-        if offset != len(target.buffer):
-            raise InvalidRequestError(
-                f"PutArray sent {offset} bytes, but a {target.spec} array has {len(target.buffer)}"
-            )
-        log.debug("PutArray received %d bytes in %.3f s", offset, time.perf_counter() - started)
-        return messages.array_to_pb(await self.controller.finish_put(target))
+            log.debug("PutArray received %d bytes in %.3f s", offset, time.perf_counter() - started)
+            return messages.array_to_pb(await self.controller.finish_put(target))
 
     @_unary
     async def Execute(self, request: pb.ExecuteRequest, context: Any) -> pb.ExecuteResponse:
@@ -449,10 +480,12 @@ class ControllerServicer(pb_grpc.ControllerServicer):
         timeout_s = check_seconds(
             "FetchArrayRequest.timeout_s", request.timeout_s, "0 means the controller's default"
         )
-        record, array = await self.controller.fetch(request.handle, timeout_s)
-        yield pb.FetchChunk(header=messages.array_to_pb(record))
-        for piece in wire.chunks(array.reshape(-1).view(np.uint8).data):
-            yield pb.FetchChunk(data=bytes(piece))
+        with _holding("fetch") as hold:
+            record, array = await self.controller.fetch(request.handle, timeout_s)
+            hold(array.nbytes)
+            yield pb.FetchChunk(header=messages.array_to_pb(record))
+            for piece in wire.chunks(array.reshape(-1).view(np.uint8).data):
+                yield pb.FetchChunk(data=bytes(piece))
 
     @_unary
     async def WaitArrays(
@@ -556,6 +589,8 @@ class ControllerServicer(pb_grpc.ControllerServicer):
             ),
             tenant=current_identity().tenant,
         )
+        if not spec.gang_id:  # refused now, as AllocateGang refuses it, not failed once queued
+            self.controller.check_can_ever_fit(spec.num_slices, spec.slice_type)
         return messages.job_to_pb(self.jobs.submit(spec))
 
     @_unary

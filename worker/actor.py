@@ -199,8 +199,9 @@ class HostWorker:
         """The multi-controller training baseline (see JaxRuntime.run_train_loop)."""
         return self.runtime.run_train_loop(*args)
 
-    def trace_spans(self, since_us: int = 0) -> list[Span]:
-        return self.spans.spans(since_us)
+    def trace_spans(self, since_us: int = 0, last: int = 0) -> list[Span]:
+        """This host's spans since `since_us`; with `last`, only the most recent `last`."""
+        return self.spans.spans(since_us, last=last)
 
     def compiled_text(self, program_id: str) -> str:
         return self.runtime.compiled_text(program_id)

@@ -55,15 +55,30 @@ class SpanRecorder:
         with self._lock:
             self._spans.append(span)
 
-    def spans(self, since_us: int = 0, where: Mapping[str, Any] | None = None) -> list[Span]:
-        """Spans that started at or after `since_us` and whose args match `where`."""
+    def spans(
+        self, since_us: int = 0, where: Mapping[str, Any] | None = None, *, last: int = 0
+    ) -> list[Span]:
+        """Spans that started at or after `since_us` and whose args match `where`; with
+        `last`, only the most recent `last` of them."""
         with self._lock:
             spans = list(self._spans)
-        return [
-            s
-            for s in spans
-            if s.start_us >= since_us and all(s.args.get(k) == v for k, v in (where or {}).items())
-        ]
+        found = [s for s in spans if s.start_us >= since_us and _matches(s, where)]
+        return found[-last:] if last > 0 else found
+
+    def remove(self, where: Mapping[str, Any]) -> list[Span]:
+        """Takes the spans whose args match `where` out of the buffer and returns them
+        (a released gang's, so that they do not stay for as long as the buffer is not full)."""
+        with self._lock:
+            taken = [s for s in self._spans if _matches(s, where)]
+            if taken:
+                kept = [s for s in self._spans if not _matches(s, where)]
+                self._spans.clear()
+                self._spans.extend(kept)
+        return taken
+
+
+def _matches(span: Span, where: Mapping[str, Any] | None) -> bool:
+    return all(span.args.get(k) == v for k, v in (where or {}).items())
 
 
 def chrome_trace(processes: Sequence[tuple[str, Iterable[Span]]]) -> dict[str, Any]:

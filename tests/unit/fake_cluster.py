@@ -85,7 +85,7 @@ class FakeWorker:
     async def stats(self) -> dict[str, Any]:
         return {"process_id": self.spec.process_id, "pid": 100 + self.spec.process_id}
 
-    async def trace_spans(self) -> list[Any]:
+    async def trace_spans(self, last: int = 0) -> list[Any]:
         return []
 
     async def drop_pin(self, pin_id: str) -> None:

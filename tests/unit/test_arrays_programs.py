@@ -111,6 +111,32 @@ def test_drop_gang_fails_pending_arrays_keeps_ready_ones_and_remembers_why():
     assert (table.count("g1"), table.count("g2")) == (0, 1)
 
 
+def test_a_released_gang_is_remembered_once_not_handle_by_handle(monkeypatch):
+    monkeypatch.setattr("controller.arrays._FORGOTTEN_LIMIT", 3)
+    table = ArrayTable()
+    records = [table.new("g1", SPEC) for _ in range(5)]
+    kept = table.new("g2", SPEC)
+    for r in records[:4]:
+        table.delete(r.handle)
+    assert table.remembered == 3  # the oldest deleted handle is forgotten
+    with pytest.raises(NotFoundError, match="is unknown"):
+        table.get(records[0].handle)
+    with pytest.raises(NotFoundError, match="was deleted"):
+        table.get(records[3].handle)
+    table.delete(kept.handle)
+    assert table.remembered == 3
+    with pytest.raises(NotFoundError, match="is unknown"):
+        table.get(records[1].handle)
+
+    table.drop_gang("g1", "was released")
+    assert table.remembered == 2  # g2's deleted handle, and g1
+    for r in records:
+        with pytest.raises(NotFoundError, match="belonged to gang g1, which was released"):
+            table.get(r.handle)
+    with pytest.raises(NotFoundError, match=f"array {kept.handle} was deleted"):
+        table.get(kept.handle)
+
+
 def test_a_record_settles_once():
     record = ArrayRecord("g1/a1", "g1", SPEC)
     record.settle(None)

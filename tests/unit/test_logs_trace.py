@@ -81,3 +81,14 @@ def test_chrome_trace_names_processes_and_threads():
     threads = {(e["pid"], e["args"]["name"]) for e in events if e["name"] == "thread_name"}
     assert threads == {(0, "gang g1"), (1, "executor"), (1, "data")}
     json.dumps(trace)  # serializable as is
+
+
+def test_span_recorder_gives_the_last_spans_and_removes_a_gangs():
+    rec = SpanRecorder()
+    for i in range(6):
+        rec.record(f"s{i}", "dispatch", 100 + i, 110 + i, gang="g1" if i % 2 else "g2")
+    assert [s.name for s in rec.spans(last=2)] == ["s4", "s5"]
+    assert [s.name for s in rec.spans(where={"gang": "g1"}, last=2)] == ["s3", "s5"]
+    assert [s.name for s in rec.remove(where={"gang": "g1"})] == ["s1", "s3", "s5"]
+    assert [s.name for s in rec.spans()] == ["s0", "s2", "s4"]
+    assert rec.remove(where={"gang": "g1"}) == [] and len(rec.spans()) == 3
