@@ -5,6 +5,7 @@ the controller only reads their commit markers (slicewise/common/checkpoints.py)
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 from slicewise.common.errors import FailedPreconditionError
 
@@ -12,10 +13,41 @@ from slicewise.common.errors import FailedPreconditionError
 def save_steps(first: int, last: int, every: int) -> list[int]:
     """The steps a job that trains from step `first` to `last` saves (a step is the
     number of steps done, so the state saved at step s is the input of step s): every
-    `every`-th step, and the last one; none when `every` is 0."""
-    if every <= 0:
+    `every`-th step, and the last one; none when `every` is 0. As many as there are:
+    `SavePlan` answers for a job of any length without listing them."""
+    if every <= 0 or first >= last:
         return []
-    return [s for s in range(first + 1, last + 1) if s % every == 0 or s == last]
+    steps = list(range((first // every + 1) * every, last + 1, every))
+    return steps if steps and steps[-1] == last else [*steps, last]
+
+
+@dataclass(frozen=True)
+class SavePlan:
+    """`save_steps(first, last, every)` less the steps in `held`, as a set that is never
+    listed: a job may be 2**63 - 1 steps long."""
+
+    first: int
+    last: int
+    every: int
+    held: frozenset[int] = frozenset()
+
+    def __contains__(self, step: object) -> bool:
+        return (
+            isinstance(step, int)
+            and self.every > 0
+            and self.first < step <= self.last
+            and (step % self.every == 0 or step == self.last)
+            and step not in self.held
+        )
+
+    def __bool__(self) -> bool:
+        if self.every <= 0 or self.first >= self.last:
+            return False
+        planned = self.last // self.every - self.first // self.every + (self.last % self.every > 0)
+        # More steps planned than held: one is not held. Else few enough to list.
+        return planned > len(self.held) or any(
+            s not in self.held for s in save_steps(self.first, self.last, self.every)
+        )
 
 
 def resume_step(

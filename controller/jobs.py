@@ -53,7 +53,7 @@ import numpy as np
 
 from controller import chaos, dcn, metrics
 from controller.auth import Identity, may_see, run_as
-from controller.checkpoints import resume_step, save_steps, yield_save
+from controller.checkpoints import SavePlan, resume_step, yield_save
 from controller.dataroots import check_corpus
 from controller.dcn import DcnMeter
 from controller.gang import failpoint
@@ -300,16 +300,20 @@ class JobRunner:
         job = self.get(job_id)
         check_keep_step(step, job.spec.steps)
         if step not in job.keep_steps:
-            held = await asyncio.to_thread(committed_steps, job.spec.checkpoint_dir)
-            coming = (
-                set()
-                if job.state.terminal
-                else {
-                    *save_steps(job.step, job.spec.steps, job.spec.checkpoint_every),
-                    *(s for s, _ in job.saving),
-                }
+            try:
+                held = await asyncio.to_thread(committed_steps, job.spec.checkpoint_dir)
+            except (ImportError, KeyError, OSError, ValueError) as exc:
+                # epath knows no filesystem for its scheme (KeyError) or lacks the package
+                # (ImportError); or it is no directory, or cannot be read (OSError).
+                raise FailedPreconditionError(
+                    f"job {job_id}'s checkpoint directory {job.spec.checkpoint_dir!r} cannot "
+                    f"be read ({type(exc).__name__}: {exc}); its checkpoints cannot be kept"
+                ) from None
+            coming = not job.state.terminal and (
+                step in SavePlan(job.step, job.spec.steps, job.spec.checkpoint_every)
+                or any(s == step for s, _ in job.saving)
             )
-            if step not in held and step not in coming:
+            if step not in held and not coming:
                 raise FailedPreconditionError(
                     f"job {job_id} holds no checkpoint of step {step} and will not save one "
                     f"(committed and held: {held or 'none'}; it saves every "
@@ -922,7 +926,7 @@ class JobRunner:
         )
 
         # Steps committed already (by a start before a preemption) are not saved again.
-        saves = set(save_steps(job.step, spec.steps, spec.checkpoint_every)) - set(held)
+        saves = SavePlan(job.step, spec.steps, spec.checkpoint_every, frozenset(held))
         pending: deque[tuple[int, Any]] = deque()
         metrics_index = len(step_program.outputs) - 1
         start_step = job.step

@@ -266,7 +266,9 @@ def parse_config(config_type: type[C], overrides: Mapping[str, str]) -> C:
             values[key] = _convert(hints[key], str(text).strip())
         except ValueError:
             raise ConfigError(
-                f"config key {key!r} expects {_type_name(hints[key])}, got {text!r}"
+                f"config key {key!r} expects {_type_name(hints[key])}"
+                + (" (a finite number)" if hints[key] is float else "")
+                + f", got {text!r}"
             ) from None
     try:
         return config_type(**values)
@@ -285,7 +287,12 @@ def _convert(kind: Any, text: str) -> Any:
         if text.lower() in _TRUE | _FALSE:
             return text.lower() in _TRUE
         raise ValueError(text)
-    if kind in (int, float, str):
+    if kind is float:
+        value = float(text)
+        if not math.isfinite(value):  # "inf", "nan", "1e999": no learning rate or clip
+            raise ValueError(text)
+        return value
+    if kind in (int, str):
         return kind(text)
     if typing.get_origin(kind) is tuple:
         (item, *rest) = typing.get_args(kind)

@@ -206,6 +206,9 @@ def test_unknown_keys_are_refused_with_the_valid_ones():
     ("overrides", "message"),
     [
         ({"d_model": "big"}, "config key 'd_model' expects int, got 'big'"),
+        ({"learning_rate": "inf"}, r"'learning_rate' expects float \(a finite number\), got 'inf'"),
+        ({"learning_rate": "1e999"}, r"expects float \(a finite number\), got '1e999'"),
+        ({"grad_clip": "nan"}, r"'grad_clip' expects float \(a finite number\), got 'nan'"),
         ({"d_model": "100", "n_heads": "3"}, "d_model=100 must be divisible by n_heads=3"),
         ({"seq_len": "0"}, "seq_len=0 must be at least 1"),
         ({"warmup_steps": "500"}, r"warmup_steps=500 must be in \[0, total_steps=200\]"),
