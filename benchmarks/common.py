@@ -103,23 +103,45 @@ def attached_to_ray(client: Any) -> Iterator[None]:
     """Joins the controller's Ray cluster as a second driver (for baselines that talk to
     workers directly)."""
     from controller.server import prepare_environment
+    from controller.simcluster import ray_auth_env
 
     health = client.health()
     address = health.ray_address
-    if health.ray_auth_token_path:  # the embedded simulation's Ray authenticates
-        from controller.simcluster import ray_auth_env
-
-        os.environ.update(ray_auth_env(health.ray_auth_token_path))
     prepare_environment(address)
+    auth = ray_auth_env(health.ray_auth_token_path) if health.ray_auth_token_path else {}
+    saved = {k: os.environ.get(k) for k in auth}
+    os.environ.update(auth)
+    _reload_ray_auth()
     import ray
 
-    ray.init(
-        address=address, namespace="slicewise", log_to_driver=False, logging_level=logging.WARNING
-    )
     try:
-        yield
-    finally:
-        ray.shutdown()
+        ray.init(
+            address=address,
+            namespace="slicewise",
+            log_to_driver=False,
+            logging_level=logging.WARNING,
+        )
+        try:
+            yield
+        finally:
+            ray.shutdown()
+    finally:  # later drivers of this process start from its own settings again
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+        _reload_ray_auth()
+
+
+def _reload_ray_auth() -> None:
+    """Makes Ray read its authentication settings from the environment again: it reads
+    them once per process, and this process may have been a driver before (as Ray's own
+    tests do it, ray/_private/authentication_test_utils.py)."""
+    from ray._raylet import AuthenticationTokenLoader, Config
+
+    Config.initialize("")
+    AuthenticationTokenLoader.instance().reset_cache()
 
 
 def run_job(client: Any, steps: int, **submit: Any) -> list[Any]:

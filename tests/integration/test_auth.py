@@ -107,8 +107,11 @@ def test_tenants_see_only_their_own_and_an_admin_sees_all(secured):
         mesh = gang.mesh()
         x = gang.put(np.arange(8, dtype=np.float32), mesh.sharding())
         double = gang.compile(jax.jit(lambda a: a * 2), x)
-        job = alice.submit_job("lm", slices=2, slice_type="v5litepod-4", steps=1)
         own = bob.allocate(1, "v5litepod-1", timeout=120)
+        # Queued behind the two gangs, which hold both slices until it is cancelled below.
+        job = alice.submit_job(
+            "lm", slices=1, slice_type="v5litepod-1", steps=1, overrides=SMALL_OVERRIDES
+        )
         try:
             stub = bob.stub
             refused = {
@@ -144,6 +147,7 @@ def test_tenants_see_only_their_own_and_an_admin_sees_all(secured):
             assert {gang.id, own.id} <= {g.gang_id for g in ops.cluster_info().gangs}
             assert ops.job(job.job_id).job_id == job.job_id
         finally:
+            alice.cancel_job(job.job_id)
             own.release()
             gang.release()
 
