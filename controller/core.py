@@ -33,7 +33,7 @@ from controller.journal import Journal
 from controller.options import DEFAULT_OPTIONS, ControllerOptions
 from controller.programs import Program, ProgramRegistry, load_program, program_id_of
 from controller.scheduler import Scheduler
-from controller.timelines import TimelineArchive, Track
+from controller.timelines import TimelineArchive
 from slicewise.common.arrays import ArraySpec, dtype_of
 from slicewise.common.errors import (
     CapacityError,
@@ -67,6 +67,7 @@ log = logging.getLogger(__name__)
 
 # How many ended gangs of an earlier run a restarted controller can still explain.
 _REMEMBERED_GANGS = 10_000
+ARCHIVE_WAIT_S = 30.0  # the longest a trace waits for a gang being released to be archived
 
 VERSION = "0.1.0"
 
@@ -119,6 +120,9 @@ class Controller:
         # Timelines of released gangs (theirs and their workers' spans), so a trace can
         # still be taken afterwards; the live recorder keeps only those of held gangs.
         self.timelines = TimelineArchive()
+        # Gangs being released: set once their timelines are archived (a trace asked for
+        # in between waits for that rather than finding neither the gang nor its archive).
+        self._archiving: dict[str, asyncio.Event] = {}
         self._gauges: asyncio.Task[None] | None = None
         self._unpinning: set[asyncio.Task[None]] = set()  # see _unpin
         self._journalled: set[str] = set()
@@ -183,16 +187,24 @@ class Controller:
         """Releases a gang, or detaches an attachment of a shared one (see
         GangManager.release); keeps the workers' timelines for a later trace."""
         gang, attachment = self.manager.resolve(gang_id, usable=False)
-        hosts: list[Track] = []
-        if not requeue and (not attachment or len(gang.attachments) == 1):
+        if requeue or (attachment and len(gang.attachments) > 1):
+            await self.manager.release(gang_id, why, requeue=requeue)
+            self._update_gauges()
+            return
+        archived = self._archiving.setdefault(gang.gang_id, asyncio.Event())
+        try:
             # A failed gang's lost workers never answer, and a job waits to recover.
             wait = 1.0 if gang.state is GangState.FAILED else 5.0
             share = self.timelines.share(gang.shape.num_processes + 1)
             hosts = await gang.collect_spans(timeout_s=wait, last=share)
-        await self.manager.release(gang_id, why, requeue=requeue)
-        if hosts and gang.state is GangState.RELEASED:
-            # Beside the controller's track, which `_gang_stopped` archived.
-            self.timelines.add(gang.gang_id, [*(self.timelines.get(gang.gang_id) or []), *hosts])
+            await self.manager.release(gang_id, why, requeue=requeue)
+            if hosts and gang.state is GangState.RELEASED:
+                # Beside the controller's track, which `_gang_stopped` archived.
+                tracks = [*(self.timelines.get(gang.gang_id) or []), *hosts]
+                self.timelines.add(gang.gang_id, tracks)
+        finally:
+            archived.set()
+            self._archiving.pop(gang.gang_id, None)
         self._update_gauges()
 
     def _gang_stopped(self, gang: Gang, why: str) -> None:
@@ -762,6 +774,10 @@ class Controller:
         if gang is not None:
             hosts = await gang.collect_spans()
             return chrome_trace([("controller", self.spans.spans(where={"gang": gang_id})), *hosts])
+        releasing = self._archiving.get(gang_id)
+        if releasing is not None and self.manager.visible(gang_id):
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(releasing.wait(), timeout=ARCHIVE_WAIT_S)
         archived = self.timelines.get(gang_id) if self.manager.visible(gang_id) else None
         if archived is None:
             self.get_gang(gang_id)  # raises the right error for unknown or released gangs
