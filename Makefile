@@ -19,8 +19,10 @@ $(STAMP): pyproject.toml setup.py $(wildcard protos/*.proto)
 demo: install
 	$(VENV)/bin/slicewise demo
 
+# Two workers, one test file at a time each (a file's tests share its cluster): most of a
+# multi-process test's time is spent waiting for processes, so two overlap well on 2 cores.
 test: install
-	$(PY) -m pytest
+	$(PY) -m pytest -n 2 --dist loadfile
 
 # ruff on everything; mypy on the controller, the workers, the client and the shared layer.
 LINTED := controller worker programs benchmarks tests slicewise
