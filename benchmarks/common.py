@@ -226,3 +226,37 @@ class RawSocketSink:
 
 def size_label(nbytes: int) -> str:
     return f"{nbytes // 2**30} GiB" if nbytes >= 2**30 else f"{nbytes // 2**20} MiB"
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds a process (all its threads) has used so far, from
+    /proc/<pid>/stat (fields 14 and 15, in clock ticks)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+class CpuMeter:
+    """CPU seconds used by named groups of processes while a block runs:
+
+    meter = CpuMeter({"client": [os.getpid()], "controller": [pid], "workers": pids})
+    with meter:
+        run()
+    meter.used  # {"client": 0.8, ...}; workers summed over their processes
+    """
+
+    def __init__(self, groups: dict[str, Sequence[int]]) -> None:
+        self.groups = {name: list(pids) for name, pids in groups.items()}
+        self.used: dict[str, float] = {}
+        self._before: dict[str, float] = {}
+
+    def _read(self) -> dict[str, float]:
+        return {name: sum(map(cpu_seconds, pids)) for name, pids in self.groups.items()}
+
+    def __enter__(self) -> CpuMeter:
+        self._before = self._read()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        after = self._read()
+        self.used = {name: after[name] - self._before[name] for name in after}

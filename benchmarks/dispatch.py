@@ -17,13 +17,14 @@ throughput reaches 95% of multi-controller JAX (the paper reports 2.3 ms at 16 h
 from __future__ import annotations
 
 import argparse
+import os
 import time
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from benchmarks.common import attached_to_ray, sim_controller, write_result
+from benchmarks.common import CpuMeter, attached_to_ray, sim_controller, write_result
 
 SIM = "2xv5litepod-4"
 AXES = ("slice", "chip")
@@ -105,6 +106,14 @@ def run(quick: bool = False) -> dict[str, Any]:
         assert check.fetch().tolist() == [float(CHAIN)] * 8, "the benchmark computes wrongly"
         fused(x).block_until_ready()
 
+        pids = {
+            "client": [os.getpid()],
+            "controller": [controller.pid],
+            "workers": [w.pid for w in gang.stats().workers],
+        }
+        budget = {"slicewise": CpuMeter(pids), "multi_controller": CpuMeter(pids)}
+        with budget["slicewise"]:
+            _opbyop_async(step, x, n)
         shapes = {
             "opbyop": _best(reps, lambda: _opbyop_async(step, x, n)),
             "opbyop_waited": _best(reps, lambda: _opbyop_waited(step, x, n // 4)),
@@ -112,6 +121,8 @@ def run(quick: bool = False) -> dict[str, Any]:
             "fused": _best(reps, lambda: _fused(fused, x, max(1, n // CHAIN))),
         }
         with attached_to_ray(client):
+            with budget["multi_controller"]:
+                multi_controller_rate(gang, step.id, [x.handle], n, WINDOW)
             mc = _best(reps, lambda: multi_controller_rate(gang, step.id, [x.handle], n, WINDOW))
             mc_fused = _best(
                 reps,
@@ -179,6 +190,12 @@ def run(quick: bool = False) -> dict[str, Any]:
         "opbyop_waited_vs_plain_ray_waited": shapes["opbyop_waited"]["median"] / plain["waited"],
     }
     out["sweep"] = sweep
+    # CPU per computation, in microseconds, by where it is spent: slicewise's OpByOp
+    # against the same loop run by the workers themselves (whose CPU is the floor).
+    out["cpu_per_call_us"] = {
+        run: {group: 1e6 * used / n for group, used in meter.used.items()}
+        for run, meter in budget.items()
+    }
     reached = [p["length_ms"] for p in sweep if p["ratio"] >= 0.95]
     out["break_even_ms"] = min(reached) if reached else None
     return out
@@ -250,6 +267,14 @@ def report(result: dict[str, Any]) -> str:
         + ", ".join(f"{p['length_ms']:.2f} ms -> {p['ratio']:.2f}" for p in result["sweep"]),
         f"break-even (>= 95% of multi-controller): {result['break_even_ms']} ms",
     ]
+    cpu = result.get("cpu_per_call_us")
+    if cpu:
+        ours, floor = cpu["slicewise"], cpu["multi_controller"]
+        lines.append(
+            f"CPU per OpByOp call: client {ours['client']:.0f} us, controller "
+            f"{ours['controller']:.0f} us, workers {ours['workers']:.0f} us (all hosts; "
+            f"{floor['workers']:.0f} us when they run the loop themselves)"
+        )
     return "\n".join(lines)
 
 

@@ -9,13 +9,18 @@ from __future__ import annotations
 import asyncio
 import enum
 import itertools
+import re
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from slicewise.common.arrays import ArraySpec
-from slicewise.common.errors import FailedPreconditionError, NotFoundError
+from slicewise.common.errors import (
+    FailedPreconditionError,
+    InvalidRequestError,
+    NotFoundError,
+)
 from slicewise.common.mesh import ShardingSpec
 
 # How many deleted handles of held gangs, and how many released gangs, to remember for a
@@ -23,6 +28,9 @@ from slicewise.common.mesh import ShardingSpec
 # by one: what a gang's calls leave here goes with the gang.
 _FORGOTTEN_LIMIT = 100_000
 _GONE_GANGS = 10_000
+# A handle a client names itself (a call stream's outputs): "<gang id>/c<tag>.<n>".
+_CLIENT_HANDLE = re.compile(r"[a-z0-9-]{1,40}/c[a-z0-9]{1,32}\.[0-9]{1,18}")
+_TRAILING_NUMBER = re.compile(r"[0-9]+$")
 
 
 class ArrayState(enum.Enum):
@@ -86,11 +94,52 @@ class ArrayTable:
         return self._num_deleted + len(self._gone)
 
     def new(
-        self, gang_id: str, spec: ArraySpec, sharding: ShardingSpec | None = None
+        self,
+        gang_id: str,
+        spec: ArraySpec,
+        sharding: ShardingSpec | None = None,
+        *,
+        handle: str = "",
     ) -> ArrayRecord:
-        record = ArrayRecord(f"{gang_id}/a{next(self._ids)}", gang_id, spec, sharding)
+        """A new record, under `handle` when a client chose it (see `check_new`), else
+        under "<gang>/a<n>"."""
+        record = ArrayRecord(handle or f"{gang_id}/a{next(self._ids)}", gang_id, spec, sharding)
         self._records[record.handle] = record
         return record
+
+    def check_new(self, gang_id: str, handles: Sequence[str], count: int) -> None:
+        """Raises InvalidRequestError unless `handles` are `count` handles a client may
+        give new outputs on gang `gang_id`: each "<gang_id>/c<tag>.<n>", none in use or
+        used before on the gang (as far as the gang's deleted handles are remembered)."""
+        if len(handles) != count:
+            raise InvalidRequestError(
+                f"the call names {len(handles)} output handle(s) for a program with {count} "
+                "output(s); name one per output"
+            )
+        deleted = self._deleted.get(gang_id, {})
+        for h in handles:
+            if not _CLIENT_HANDLE.fullmatch(h) or h.partition("/")[0] != gang_id:
+                raise InvalidRequestError(
+                    f"output handle {h[:100]!r} is not one a client may choose on gang "
+                    f'{gang_id}: write it "{gang_id}/c<tag>.<n>" (tag: 1-32 lowercase letters '
+                    "and digits; n: a number)"
+                )
+            if h in self._records or h in deleted:
+                raise InvalidRequestError(
+                    f"output handle {h} is already used on gang {gang_id}; name each new "
+                    "output with a handle never used before"
+                )
+        if len(set(handles)) != len(handles):
+            raise InvalidRequestError(
+                f"the call names the same output handle twice ({list(handles)}); name each "
+                "output with a handle of its own"
+            )
+
+    def find(self, handle: str) -> ArrayRecord | None:
+        """The record for `handle`, or None (never known, deleted, gone, or another
+        tenant's)."""
+        record = self._records.get(handle)
+        return record if record is not None and self.visible(record.gang_id) else None
 
     def get(self, handle: str) -> ArrayRecord:
         """The record for `handle`.
@@ -111,7 +160,7 @@ class ArrayTable:
         if handle in self._deleted.get(gang_id, ()):
             return "was deleted"
         why = self._gone.get(gang_id)
-        if why is not None and handle.startswith(f"{gang_id}/a"):
+        if why is not None and handle.startswith((f"{gang_id}/a", f"{gang_id}/c")):
             return f"belonged to gang {gang_id}, which {why}"
         return None
 
@@ -156,5 +205,7 @@ class ArrayTable:
 
 
 def _number(handle: str) -> int:
-    """N of a handle "g3/aN": handles are numbered in the order they are made."""
-    return int(handle.rpartition("/a")[2])
+    """N of a handle "g3/aN" or "g3/c<tag>.N": handles are numbered in the order they
+    are made (a client's own in its own order)."""
+    digits = _TRAILING_NUMBER.search(handle)
+    return int(digits.group()) if digits else 0

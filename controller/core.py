@@ -327,6 +327,53 @@ class Controller:
             results.append((ticket.seq, outputs))
         return results
 
+    def stream_calls(
+        self, gang_id: str, calls: Sequence[tuple[str, Sequence[str], Sequence[str]]]
+    ) -> list[tuple[int, SlicewiseError]]:
+        """Queues the calls of one call-stream batch, each (program id, input handles,
+        output handles the client chose), in order; returns the calls refused, by their
+        place in the batch, with why. Unlike a batch of `execute_batch`, a refused call
+        leaves the others queued (as separate calls would): its outputs, when the client
+        named them properly, are recorded as failed with its error, so a later call,
+        wait or fetch of them says what went wrong where.
+
+        Raises:
+            NotFoundError, FailedPreconditionError: no usable gang `gang_id` (for every
+                call of the batch).
+        """
+        gang, client = self.manager.resolve(gang_id)
+        base = gang.gang_id
+        gang.stream_batches += 1
+        gang.streamed_calls += len(calls)
+        refused: list[tuple[int, SlicewiseError]] = []
+        for k, (program_id, inputs, outputs) in enumerate(calls):
+            try:
+                program = self.programs.get(program_id)
+                program.check_fits(gang.shape, gang.platform, gang_id)
+                specs = [self._usable_array(h, base).spec for h in inputs]
+                program.check_inputs(specs, inputs)
+                self.arrays.check_new(base, outputs, len(program.outputs))
+            except SlicewiseError as exc:
+                refused.append((k, exc))
+                self._fail_outputs(base, outputs, f"its call was refused: {exc}")
+                continue
+            self._queue_call(gang, client, program, tuple(inputs), names=tuple(outputs))
+        return refused
+
+    def _fail_outputs(self, gang_id: str, handles: Sequence[str], error: str) -> None:
+        """Records the outputs of a refused call as failed, those of them that are new
+        handles the client may name (a wait or fetch of them then gives `error`)."""
+        for h in dict.fromkeys(handles):
+            with contextlib.suppress(InvalidRequestError):
+                self.arrays.check_new(gang_id, [h], 1)
+                self.arrays.new(gang_id, ArraySpec((), "float32"), handle=h).settle(error)
+
+    def delete_quietly(self, handles: Sequence[str]) -> int:
+        """Deletes the arrays of those handles that name one (a call stream's deletes:
+        the client dropped them, and one already gone needs nothing); returns how many."""
+        known = [h for h in dict.fromkeys(handles) if self.arrays.find(h) is not None]
+        return self.delete(known) if known else 0
+
     def inject_hang(self, gang_id: str, process: int, seconds: float) -> Ticket:
         """Fault injection: queues a HangOp for `process` and an empty op for the other
         workers, in the gang's order behind what is queued (see controller/chaos.py)."""
@@ -357,9 +404,17 @@ class Controller:
         program: Program,
         handles: tuple[str, ...],
         report: tuple[int, ...] = (),
+        names: tuple[str, ...] = (),
     ) -> tuple[Ticket, list[ArrayRecord]]:
+        """Queues one call whose inputs were checked; its outputs get `names` (checked
+        new handles the client chose) or new handles."""
         loaded = self._ensure_loaded(gang, client, program)
-        outputs = [self.arrays.new(gang.gang_id, spec) for spec in program.outputs]
+        outputs = [
+            self.arrays.new(gang.gang_id, spec, handle=name)
+            for spec, name in zip(
+                program.outputs, names or ("",) * len(program.outputs), strict=True
+            )
+        ]
         ticket = self._submit(
             gang,
             client,

@@ -99,6 +99,9 @@ class Gang:
         self.shared_name = ""
         self.attachments: dict[str, tuple[str, float]] = {}
         self.programs_run: Counter[str] = Counter()
+        # Calls that came on call streams, and the stream messages they came in.
+        self.streamed_calls = 0
+        self.stream_batches = 0
         # A stall this long on a worker fails the gang (controller/health.py); the job
         # that runs on the gang sets it from its step times. None: stalls are not judged.
         self.step_deadline_s: float | None = None

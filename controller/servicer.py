@@ -474,6 +474,57 @@ class ControllerServicer(pb_grpc.ControllerServicer):
         )
 
     @_streaming
+    async def Calls(
+        self, request: AsyncIterator[pb.CallBatch], context: Any
+    ) -> AsyncIterator[pb.CallEvent]:
+        gang_id, last, calls = "", 0, 0
+        async for batch in request:
+            if batch.gang_id and gang_id and batch.gang_id != gang_id:
+                raise InvalidRequestError(
+                    f"batch {batch.batch} of a call stream on gang {gang_id} names gang "
+                    f"{batch.gang_id!r}; open one stream per gang"
+                )
+            gang_id = gang_id or batch.gang_id
+            if not gang_id:
+                raise InvalidRequestError(
+                    "the first CallBatch of a call stream must name its gang (gang_id)"
+                )
+            if batch.batch <= last:
+                raise InvalidRequestError(
+                    f"call-stream batch {batch.batch} after batch {last}; number batches "
+                    "1, 2, 3... in the order sent"
+                )
+            last = batch.batch
+            set_log_context(gang=gang_id)
+            specs = [(c.program_id, list(c.inputs), list(c.outputs)) for c in batch.calls]
+            try:
+                refused = self.controller.stream_calls(gang_id, specs) if specs else []
+            except SlicewiseError as exc:  # the gang: every call of the batch is refused
+                if self.controller.gangs.get(gang_id.partition("@")[0]) is None:
+                    raise  # released or never there: the stream ends with why
+                refused = [(k, exc) for k in range(len(specs))]
+            for k, why in refused:
+                code = status_code_for(why)
+                metrics.FAILURES.labels(f"rpc_{code.name.lower()}").inc()
+                log.info("Calls: call %d refused (%s): %s", calls + k + 1, code.name, why)
+                yield pb.CallEvent(
+                    failure=pb.CallFailure(
+                        batch=batch.batch,
+                        index=k,
+                        call=calls + k + 1,
+                        program_id=specs[k][0],
+                        outputs=specs[k][2],
+                        code=code.value[0],
+                        message=str(why),
+                    )
+                )
+            calls += len(specs)
+            if batch.deletes:
+                self.controller.delete_quietly(list(batch.deletes))
+            if batch.sync:
+                yield pb.CallEvent(accepted=batch.batch)
+
+    @_streaming
     async def FetchArray(
         self, request: pb.FetchArrayRequest, context: Any
     ) -> AsyncIterator[pb.FetchChunk]:
@@ -513,6 +564,8 @@ class ControllerServicer(pb_grpc.ControllerServicer):
             dispatched=d.dispatched,
             completed=d.completed,
             queued=d.queued,
+            streamed_calls=gang.streamed_calls,
+            stream_batches=gang.stream_batches,
             workers=[
                 pb.WorkerStats(
                     actor_name=worker_name(gang.gang_id, gang.epoch, s["process_id"]),

@@ -22,6 +22,7 @@ import contextlib
 import itertools
 import math
 import os
+import secrets
 import threading
 import time
 import weakref
@@ -204,6 +205,7 @@ class Client:
         token = token or os.environ.get(auth.TOKEN_ENV) or None
         channel = grpc.intercept_channel(raw, _Bearer(token)) if token else raw
         self.stub = pb_grpc.ControllerStub(channel)
+        self._streams: weakref.WeakSet[CallStream] = weakref.WeakSet()
 
     def health(self) -> pb.HealthResponse:
         return _call(self.stub.Health, pb.HealthRequest(), timeout=30)
@@ -427,6 +429,8 @@ class Client:
         return Gang(self, info)
 
     def close(self) -> None:
+        for stream in list(self._streams):  # what they queued goes out first
+            stream.close()
         self.closed = True
         self._channel.close()
 
@@ -483,6 +487,7 @@ class Gang:
         self.released = False
         self._meshes: list[Mesh] = []
         self._drops = DropQueue()
+        self._stream: CallStream | None = None
 
     @property
     def chips_per_slice(self) -> int:
@@ -539,6 +544,36 @@ class Gang:
         mesh = self._mesh_of(sharding.mesh)
         return ShardingSpec.from_partition_spec(mesh.spec, tuple(sharding.spec))
 
+    # -- the call stream ----------------------------------------------------------
+
+    def calls(self) -> CallStream:
+        """This gang's call stream, opened on first use."""
+        stream = self._stream
+        if stream is None:
+            if self.released or self.client.closed:
+                raise FailedPreconditionError(
+                    f"gang {self.id} was released" if self.released else "the client is closed"
+                )
+            stream = self._stream = CallStream(self)
+            self.client._streams.add(stream)
+        return stream
+
+    def _confirmed(self, arrays: Sequence[RemoteArray], timeout: float = 600.0) -> None:
+        """Returns once the calls that make these arrays have reached the controller;
+        raises the error of any of those calls that was refused."""
+        stream = self._stream
+        batch = max((a._batch for a in arrays), default=0)
+        if stream is None or batch == 0:
+            return
+        stream.check([a.handle for a in arrays])
+        stream.sync(batch, timeout)
+        stream.check([a.handle for a in arrays])
+
+    def _close_stream(self) -> None:
+        stream, self._stream = self._stream, None
+        if stream is not None:
+            stream.close()
+
     # -- arrays ---------------------------------------------------------------------
 
     def put(self, array: Any, sharding: Any = None) -> RemoteArray:
@@ -561,7 +596,7 @@ class Gang:
                 yield pb.PutChunk(data=bytes(piece))
 
         info = _call(self.client.stub.PutArray, messages())
-        return RemoteArray(self, info, sharding_spec)
+        return RemoteArray.from_pb(self, info, sharding_spec)
 
     # -- programs -------------------------------------------------------------------
 
@@ -643,6 +678,9 @@ class Gang:
                     uploaded.append(program._as_remote(i, a))
                     handles.append(uploaded[-1].handle)
             specs.append(pb.CallSpec(program_id=program.id, inputs=handles))
+        self._confirmed(
+            uploaded + [a for _, args in calls for a in args if isinstance(a, RemoteArray)]
+        )
         self._flush_due()
         reply = _call(
             self.client.stub.ExecuteBatch,
@@ -652,7 +690,7 @@ class Gang:
         results = []
         for (program, _), result in zip(calls, reply.results, strict=True):
             outs = [
-                RemoteArray(self, info, sharding)
+                RemoteArray.from_pb(self, info, sharding)
                 for info, sharding in zip(result.outputs, program._out_sharding_specs, strict=True)
             ]
             results.append(outs[0] if len(outs) == 1 else tuple(outs))
@@ -671,6 +709,13 @@ class Gang:
             self._drops.forget()
             return 0
         sent = 0
+        if self._stream is not None:  # after the calls that read them, in the same stream
+            while batch := self._drops.take(self._drops.batch_size):
+                self._stream.delete(batch)
+                sent += len(batch)
+            if sent:
+                self._stream.sync()
+            return sent
         while batch := self._drops.take(self._drops.batch_size):
             try:
                 _call(
@@ -692,8 +737,13 @@ class Gang:
         return sent
 
     def _flush_due(self) -> None:
-        if self._drops.due():
+        if not self._drops.due():
+            return
+        if self._stream is None:
             self.flush_deletes()
+            return
+        while batch := self._drops.take(self._drops.batch_size):  # no need to wait for them
+            self._stream.delete(batch)
 
     def stats(self) -> pb.GangStats:
         """Dispatch counters and, per worker, arrays held and executor window use. Dropped
@@ -710,6 +760,7 @@ class Gang:
         every array: dropped arrays need no deletes. With `requeue`, for a gang being
         preempted: give the slices up now but stay queued to resume."""
         if not self.released:
+            self._close_stream()
             _call(
                 self.client.stub.ReleaseGang,
                 pb.ReleaseGangRequest(gang_id=self.id, requeue=requeue),
@@ -730,6 +781,198 @@ class Gang:
 
     def __exit__(self, *exc: object) -> None:
         self.release()
+
+
+_CODES = {code.value[0]: code for code in grpc.StatusCode}
+
+# A client holds at most this many calls queued and not yet sent before a call waits.
+MAX_QUEUED_CALLS = 10_000
+
+
+class CallStream:
+    """This client's call stream on one gang (the `Calls` RPC): calls go out without
+    waiting for an answer, those issued while the previous message was on its way
+    together in the next one; the client names each call's outputs itself.
+
+    Handles are "<gang>/c<tag>.<n>" with a random tag per stream. What comes back is only
+    a failure of a call (kept by output handle, and raised by a later call reading one
+    of those outputs, a wait or a fetch) and, when the client asks (`sync`), which batch
+    the controller has queued up to: a wait, fetch or delete of an output first makes
+    sure the call that makes it has reached the controller.
+    """
+
+    def __init__(self, gang: Gang) -> None:
+        self.gang = gang
+        tag = "".join(secrets.choice("abcdefghijklmnopqrstuvwxyz234567") for _ in range(12))
+        self._prefix = f"{gang.id.partition('@')[0]}/c{tag}."
+        self._names = itertools.count(1)
+        self._cond = threading.Condition()
+        self._calls: list[pb.StreamCall] = []
+        self._deletes: list[str] = []
+        self._sync = False
+        self._closing = False
+        self._ended = False
+        self.sent = 0  # batches handed to gRPC
+        self.accepted = 0  # the controller queued every batch up to this one
+        self.calls = 0  # calls made on the stream
+        self.error: SlicewiseError | None = None  # why the stream ended, if not closed
+        self.failures: dict[str, SlicewiseError] = {}  # output handle -> its call's error
+        self._responses = gang.client.stub.Calls(self._requests())
+        self._reader = threading.Thread(target=self._read, name=f"calls-{gang.id}", daemon=True)
+        self._reader.start()
+
+    def call(self, program_id: str, inputs: Sequence[str], outputs: int) -> tuple[list[str], int]:
+        """Queues a call; returns the handles of its outputs and its batch's number."""
+        return self.calls_of([(program_id, inputs)], outputs)[0]
+
+    def calls_of(
+        self, calls: Sequence[tuple[str, Sequence[str]]], outputs: int
+    ) -> list[tuple[list[str], int]]:
+        """Queues several calls to go out in one batch (an input may be an output handle
+        of an earlier one); each call has `outputs` outputs."""
+        with self._cond:
+            self._check_open()
+            while len(self._calls) >= MAX_QUEUED_CALLS and not self._ended:
+                self._cond.wait(1.0)
+            made = []
+            for program_id, inputs in calls:
+                names = [f"{self._prefix}{next(self._names)}" for _ in range(outputs)]
+                self._calls.append(
+                    pb.StreamCall(program_id=program_id, inputs=inputs, outputs=names)
+                )
+                made.append((names, self.sent + 1))
+            self.calls += len(calls)
+            self._cond.notify_all()
+        return made
+
+    def chain(
+        self, program_id: str, inputs: Sequence[str], n: int, outputs: int
+    ) -> tuple[list[str], int]:
+        """Queues `n` calls in one batch, each on the previous one's outputs, and the
+        deletes of all outputs but the last call's; returns those and the batch."""
+        with self._cond:
+            self._check_open()
+            batch = self.sent + 1
+            for k in range(n):
+                names = [f"{self._prefix}{next(self._names)}" for _ in range(outputs)]
+                self._calls.append(
+                    pb.StreamCall(program_id=program_id, inputs=inputs, outputs=names)
+                )
+                if k:
+                    self._deletes.extend(inputs)
+                inputs = names
+            self.calls += n
+            self._cond.notify_all()
+        return names, batch
+
+    def delete(self, handles: Sequence[str]) -> int:
+        """Queues deletes, to go out after the calls queued before them."""
+        with self._cond:
+            self._check_open()
+            self._deletes.extend(handles)
+            batch = self.sent + 1
+            self._cond.notify_all()
+        return batch
+
+    def sync(self, batch: int | None = None, timeout: float = 600.0) -> None:
+        """Returns once the controller has queued batch `batch` (default: everything
+        queued so far).
+
+        Raises:
+            SlicewiseError: the stream ended before (why it ended).
+            DeadlineError: not within `timeout`.
+        """
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            if batch is None:
+                batch = self.sent + (1 if self._calls or self._deletes else 0)
+            while self.accepted < batch:
+                self._check_open()
+                self._sync = True
+                self._cond.notify_all()
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise DeadlineError(
+                        f"the controller did not confirm the calls on gang {self.gang.id} "
+                        f"within {timeout:.0f} s"
+                    )
+                self._cond.wait(left)
+
+    def check(self, handles: Sequence[str]) -> None:
+        """Raises the error of the call that made any of these outputs, if it failed."""
+        if self.failures:
+            for h in handles:
+                failure = self.failures.get(h)
+                if failure is not None:
+                    raise failure
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Ends the stream once what is queued has gone out."""
+        with self._cond:
+            self._closing = True
+            self._cond.notify_all()
+        self._reader.join(timeout)
+        if self._reader.is_alive():
+            self._responses.cancel()
+            self._reader.join(timeout)
+
+    def _check_open(self) -> None:
+        if self._ended or self._closing:
+            raise self.error or FailedPreconditionError(
+                f"the call stream on gang {self.gang.id} is closed"
+            )
+
+    def _requests(self) -> Iterator[pb.CallBatch]:
+        """The request stream, on gRPC's thread: whatever is queued, as one batch."""
+        while True:
+            with self._cond:
+                while not (self._calls or self._deletes or self._sync or self._closing):
+                    self._cond.wait()
+                if not (self._calls or self._deletes or self._sync):
+                    return  # closing, and everything went out
+                self.sent += 1
+                batch = pb.CallBatch(
+                    gang_id=self.gang.id if self.sent == 1 else "",
+                    batch=self.sent,
+                    calls=self._calls,
+                    deletes=self._deletes,
+                    sync=self._sync,
+                )
+                self._calls, self._deletes, self._sync = [], [], False
+                self._cond.notify_all()  # a caller waiting for room
+            yield batch
+
+    def _read(self) -> None:
+        """The reader thread: failures and confirmations, until the stream ends."""
+        try:
+            for event in self._responses:
+                if event.HasField("failure"):
+                    f = event.failure
+                    code = _CODES.get(f.code, grpc.StatusCode.UNKNOWN)
+                    error = _ERRORS.get(code, SlicewiseError)(
+                        f"call {f.call} on gang {self.gang.id} (program {f.program_id}) was "
+                        f"refused: {f.message}"
+                    )
+                    error.code = code  # type: ignore[attr-defined]
+                    with self._cond:
+                        for h in f.outputs:
+                            self.failures[h] = error
+                if event.accepted:
+                    with self._cond:
+                        self.accepted = max(self.accepted, event.accepted)
+                        self._cond.notify_all()
+        except grpc.RpcError as err:
+            if not (self._closing or self.gang.client.closed):
+                code = err.code()
+                error = _ERRORS.get(code, SlicewiseError)(err.details() or str(code))
+                error.code = code  # type: ignore[attr-defined]
+                self.error = error
+        finally:
+            with self._cond:
+                self._ended = True
+                if self.error is None and not self._closing:
+                    self.error = WorkerError(f"the call stream on gang {self.gang.id} ended")
+                self._cond.notify_all()
 
 
 class Output(NamedTuple):
@@ -761,30 +1004,40 @@ class Program:
         # Referenced until the call is queued: no delete of an uploaded argument goes first.
         inputs = [self._as_remote(i, a) for i, a in enumerate(leaves)]
         handles = [a.handle for a in inputs]
+        stream = self.gang.calls()
+        stream.check(handles)  # an input whose call was refused: its error, now
         self.gang._flush_due()
-        reply = _call(
-            self.gang.client.stub.Execute,
-            pb.ExecuteRequest(gang_id=self.gang.id, program_id=self.id, inputs=handles),
-            timeout=60,
-        )
-        outs = [
-            RemoteArray(self.gang, info, sharding)
-            for info, sharding in zip(reply.outputs, self._out_sharding_specs, strict=True)
-        ]
+        names, batch = stream.call(self.id, handles, len(self.outputs))
+        outs = self._outputs(names, batch)
         if self.exported is not None:
             return jax.tree.unflatten(self.exported.out_tree, outs)
         return outs[0] if len(outs) == 1 else tuple(outs)
 
     def chain(self, n: int, *args: Any) -> Any:
-        """Queues `n` calls in one request, each fed the previous call's outputs (the first
-        gets `args`); returns the last call's outputs. Outputs must match inputs."""
+        """Queues `n` calls in one message of the gang's call stream, each fed the
+        previous call's outputs (the first gets `args`); returns the last call's outputs
+        (the others are deleted once read). Outputs must match inputs."""
         if len(self.outputs) != len(self.inputs) or self.outputs != self.inputs:
             raise InvalidRequestError(
                 f"chain needs a program whose outputs match its inputs; {self!r} does not"
             )
-        calls: list[tuple[Program, Sequence[Any]]] = [(self, args)]
-        calls += [(self, [Output(k, i) for i in range(len(self.outputs))]) for k in range(n - 1)]
-        return self.gang.execute_batch(calls)[-1]
+        if n < 1:
+            raise InvalidRequestError(f"chain needs at least one call, not {n}")
+        inputs = [self._as_remote(i, a) for i, a in enumerate(args)]
+        stream = self.gang.calls()
+        stream.check([a.handle for a in inputs])
+        self.gang._flush_due()
+        names, batch = stream.chain(self.id, [a.handle for a in inputs], n, len(self.outputs))
+        outs = self._outputs(names, batch)
+        return outs[0] if len(outs) == 1 else tuple(outs)
+
+    def _outputs(self, names: Sequence[str], batch: int) -> list[RemoteArray]:
+        return [
+            RemoteArray(self.gang, name, spec, sharding, batch)
+            for name, spec, sharding in zip(
+                names, self.outputs, self._out_sharding_specs, strict=True
+            )
+        ]
 
     def _out_shardings(self) -> list[ShardingSpec | None]:
         if self.exported is None:
@@ -820,12 +1073,24 @@ class RemoteArray:
     once the delete is sent.
     """
 
-    def __init__(self, gang: Gang, info: pb.ArrayInfo, sharding: ShardingSpec | None) -> None:
+    def __init__(
+        self,
+        gang: Gang,
+        handle: str,
+        spec: ArraySpec,
+        sharding: ShardingSpec | None,
+        batch: int = 0,
+    ) -> None:
         self.gang = gang
-        self.handle = info.handle
-        self.spec = wire.spec_from_pb(info.spec)
+        self.handle = handle
+        self.spec = spec
         self.sharding = sharding
-        self._lease = gang._drops.lease(self.handle, self.spec.nbytes)
+        self._batch = batch  # the call-stream batch of the call that makes it (0: none)
+        self._lease = gang._drops.lease(handle, spec.nbytes)
+
+    @classmethod
+    def from_pb(cls, gang: Gang, info: pb.ArrayInfo, sharding: ShardingSpec | None) -> RemoteArray:
+        return cls(gang, info.handle, wire.spec_from_pb(info.spec), sharding)
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -852,6 +1117,7 @@ class RemoteArray:
 
     def wait(self, timeout: float = 600.0) -> pb.ArrayInfo:
         """Blocks until the array is computed (or failed); returns its state."""
+        self.gang._confirmed([self], timeout)
         reply = _call(
             self.gang.client.stub.WaitArrays,
             pb.WaitArraysRequest(handles=[self.handle], timeout_s=timeout),
@@ -869,6 +1135,7 @@ class RemoteArray:
 
     def fetch(self, timeout: float = 600.0) -> np.ndarray:
         """Downloads the whole array as numpy (waits for it to be computed)."""
+        self.gang._confirmed([self], timeout)
         out = np.empty(self.spec.nbytes, dtype=np.uint8)
         offset = 0
         try:
@@ -891,6 +1158,7 @@ class RemoteArray:
     def delete(self) -> None:
         """Deletes the array now (for every RemoteArray of its handle); it is not deleted
         again when dropped."""
+        self.gang._confirmed([self])
         self._lease.cancel()
         _call(
             self.gang.client.stub.DeleteArrays,
@@ -996,6 +1264,7 @@ class DropQueue:
 def delete(arrays: Sequence[RemoteArray]) -> None:
     """Deletes several arrays in one call, now; they are not deleted again when dropped."""
     if arrays:
+        arrays[0].gang._confirmed(arrays)
         for a in arrays:
             a._lease.cancel()
         _call(

@@ -95,3 +95,62 @@ def test_a_bad_call_in_a_batch_queues_nothing(two_slices):
     with pytest.raises(slicewise.InvalidRequestError, match="call 2: input '@5:0' refers"):
         gang.execute_batch([(inc, [x]), (inc, [slicewise.Output(0)]), (inc, [slicewise.Output(5)])])
     assert gang.stats().dispatched == before
+
+
+def test_calls_issued_back_to_back_travel_together_on_the_gangs_call_stream(two_slices):
+    """Two hundred calls, each returning at once, reach the controller in fewer messages
+    than calls (while one message is on its way the next calls queue behind it), and
+    compute what they should."""
+    gang = two_slices
+    mesh = gang.mesh()
+    x = gang.put(np.zeros(8, np.float32), mesh.sharding(("slice", "chip")))
+    inc = gang.compile(jax.jit(lambda a: a + 1), x)
+    before = gang.stats()
+    y = x
+    for _ in range(200):
+        y = inc(y)
+    assert y.handle.startswith(gang.id.partition("@")[0] + "/c")  # named by the client
+    np.testing.assert_array_equal(y.fetch(timeout=120), np.full(8, 200, np.float32))
+    after = gang.stats()
+    calls = after.streamed_calls - before.streamed_calls
+    batches = after.stream_batches - before.stream_batches
+    assert calls == 200 and 1 <= batches < calls, (calls, batches)
+    print(f"200 calls in {batches} stream messages")
+
+
+def test_a_refused_call_raises_at_fetch_and_at_the_next_use_naming_the_call(two_slices):
+    """A call on a deleted array returns at once like any other; its error comes back on
+    its output: raised by a wait or fetch of it, and by the next call that reads it,
+    naming the refused call. The calls around it are not affected."""
+    gang = two_slices
+    mesh = gang.mesh()
+    x = gang.put(np.zeros(8, np.float32), mesh.sharding(("slice", "chip")))
+    inc = gang.compile(jax.jit(lambda a: a + 1), x)
+    gone = gang.put(np.zeros(8, np.float32), mesh.sharding(("slice", "chip")))
+    gone.delete()
+    before = inc(x)
+    refused = inc(gone)  # returns: nothing has been checked yet
+    after = inc(x)
+    with pytest.raises(
+        slicewise.NotFoundError, match=r"call \d+ on gang .* was refused: .*deleted"
+    ):
+        refused.block_until_ready()
+    with pytest.raises(slicewise.NotFoundError, match="was deleted"):
+        refused.fetch()
+    with pytest.raises(slicewise.NotFoundError, match="was deleted"):
+        inc(refused)  # the next use: raised before anything is sent
+    np.testing.assert_array_equal(before.fetch(), np.ones(8))
+    np.testing.assert_array_equal(after.fetch(), np.ones(8))
+
+
+def test_a_stream_call_on_another_gangs_array_is_refused_and_the_stream_goes_on(client, two_slices):
+    with client.allocate(slices=1, slice_type="v5litepod-16", timeout=120) as other:
+        elsewhere = other.put(np.zeros(16, np.float32))
+        gang = two_slices
+        mesh = gang.mesh()
+        x = gang.put(np.zeros(8, np.float32), mesh.sharding(("slice", "chip")))
+        inc = gang.compile(jax.jit(lambda a: a + 1), x)
+        wrong = inc(elsewhere)
+        with pytest.raises(slicewise.SlicewiseError, match="was refused"):
+            wrong.fetch()
+        np.testing.assert_array_equal(inc(x).fetch(), np.ones(8))

@@ -7,6 +7,7 @@ import copy
 import gc
 import itertools
 import threading
+import weakref
 
 import numpy as np
 import pytest
@@ -125,6 +126,21 @@ class RecordingStub:
             results=[self.Execute(pb.ExecuteRequest(inputs=c.inputs)) for c in request.calls]
         )
 
+    def Calls(self, requests, timeout=None):  # noqa: N802
+        """A call stream read on the caller's reader thread, recorded as it is read."""
+
+        def responses():
+            for batch in requests:
+                for c in batch.calls:
+                    assert not self.deleted & set(c.inputs), "an input was deleted before the call"
+                    self.calls.append(("execute", list(c.inputs)))
+                if batch.deletes:
+                    self.DeleteArrays(pb.DeleteArraysRequest(handles=batch.deletes))
+                if batch.sync:
+                    yield pb.CallEvent(accepted=batch.batch)
+
+        return Responses(responses())
+
     def DeleteArrays(self, request, timeout=None):  # noqa: N802
         handles = list(request.handles)
         assert len(set(handles)) == len(handles), "a handle was sent twice"
@@ -140,10 +156,24 @@ class RecordingStub:
         return [handles for kind, handles in self.calls if kind == "delete"]
 
 
+class Responses:
+    """A response stream that can be cancelled, as gRPC's can."""
+
+    def __init__(self, events) -> None:
+        self._events = events
+
+    def __iter__(self):
+        return self._events
+
+    def cancel(self) -> None:
+        self._events.close()
+
+
 class FakeClient:
     def __init__(self) -> None:
         self.stub = RecordingStub()
         self.closed = False
+        self._streams = weakref.WeakSet()
 
 
 @pytest.fixture
@@ -155,7 +185,7 @@ def gang():
 
 
 def remote(gang: Gang, handle: str) -> RemoteArray:
-    return RemoteArray(gang, pb.ArrayInfo(handle=handle, spec=wire.spec_to_pb(SPEC)), None)
+    return RemoteArray.from_pb(gang, pb.ArrayInfo(handle=handle, spec=wire.spec_to_pb(SPEC)), None)
 
 
 def test_dropped_arrays_are_deleted_in_batches_on_flush(gang):
@@ -237,6 +267,8 @@ def test_a_put_or_call_sends_deletes_only_once_a_batch_is_queued(gang):
     x = gang.put(np.ones(4, np.float32))
     for _ in range(3):
         step(x)  # the outputs are dropped at once
+    gang.calls().sync()  # everything sent has been read
     assert gang.client.stub.deletes() == []
     step(x)
+    gang.calls().sync()
     assert [len(b) for b in gang.client.stub.deletes()] == [3]

@@ -1,0 +1,135 @@
+"""The controller's side of a call stream (`Controller.stream_calls`): calls whose outputs
+the client named, queued in order; a refused call refuses only itself and what reads its
+outputs. Against an in-memory cluster (no processes)."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec
+
+from controller.arrays import ArrayState
+from controller.core import Controller
+from slicewise.common.arrays import ArraySpec
+from slicewise.common.errors import (
+    FailedPreconditionError,
+    InvalidRequestError,
+    ProgramMismatchError,
+)
+from slicewise.common.mesh import MeshSpec
+from tests.unit.fake_cluster import Clock, FakeCluster
+
+TIMEOUT = 60.0
+V4 = "v5litepod-4"
+MESH = MeshSpec.build({"slice": 1}, {"chip": 4})
+SPEC = ArraySpec((8,), "int32")
+
+
+@pytest.fixture(scope="module")
+def plus_one() -> bytes:
+    aval = jax.ShapeDtypeStruct(
+        (8,), jnp.int32, sharding=NamedSharding(MESH.abstract(), PartitionSpec())
+    )
+    return bytes(jax.export.export(jax.jit(lambda a: a + 1), platforms=["cpu"])(aval).serialize())
+
+
+def run(scenario: Any) -> Any:
+    return asyncio.run(asyncio.wait_for(scenario, TIMEOUT))
+
+
+async def gang_with(serialized: bytes) -> tuple[Controller, str, str, str]:
+    """A controller with a one-slice gang, plus_one registered, and one ready array."""
+    controller = Controller(backend=FakeCluster(V4), clock=Clock(), simulated=True)
+    await controller.refresh_inventory()
+    _, gang_id = await controller.allocate(1, V4)
+    program = await controller.register_program(gang_id, "plus_one", MESH, serialized)
+    x = controller.arrays.new(gang_id, SPEC)
+    x.settle(None)
+    x.numbered = True
+    return controller, gang_id, program.program_id, x.handle
+
+
+def test_calls_get_the_handles_the_client_named_and_run_in_order(plus_one):
+    async def scenario() -> tuple[list[Any], list[ArrayState], int]:
+        controller, gang_id, program, x = await gang_with(plus_one)
+        a, b = f"{gang_id}/cq7.1", f"{gang_id}/cq7.2"
+        refused = controller.stream_calls(gang_id, [(program, [x], [a]), (program, [a], [b])])
+        await controller.wait([a, b], 10)
+        seqs = [controller.gangs[gang_id].dispatcher.completed]
+        return refused, [controller.arrays.get(h).state for h in (a, b)], seqs[0]
+
+    refused, states, completed = run(scenario())
+    assert refused == []
+    assert states == [ArrayState.READY, ArrayState.READY]
+    assert completed >= 2  # loading the program may be an operation too
+
+
+def test_a_refused_call_fails_its_outputs_and_what_reads_them_but_nothing_else(plus_one):
+    async def scenario() -> tuple[list[Any], dict[str, Any]]:
+        controller, gang_id, program, x = await gang_with(plus_one)
+        bad, after, independent = (f"{gang_id}/cz.{n}" for n in (1, 2, 3))
+        refused = controller.stream_calls(
+            gang_id,
+            [
+                (program, [x, x], [bad]),  # two inputs for a program of one
+                (program, [bad], [after]),  # reads the refused call's output
+                (program, [x], [independent]),
+            ],
+        )
+        await controller.wait([independent], 10)
+        records = {h: controller.arrays.get(h) for h in (bad, after, independent)}
+        return refused, {h: (r.state, r.error) for h, r in records.items()}
+
+    refused, records = run(scenario())
+    assert [(k, type(e)) for k, e in refused] == [
+        (0, ProgramMismatchError),
+        (1, FailedPreconditionError),
+    ]
+    assert "takes 1 input(s)" in str(refused[0][1]) and "its call was refused" in str(refused[1][1])
+    states = list(records.values())
+    assert states[0][0] is ArrayState.FAILED and "takes 1 input(s)" in states[0][1]
+    assert states[1][0] is ArrayState.FAILED and "its call was refused" in states[1][1]
+    assert states[2] == (ArrayState.READY, "")
+
+
+@pytest.mark.parametrize(
+    "outputs, why, failed",
+    [
+        (["{other}/cq.1"], "not one a client may choose", 0),
+        (["{gang}/a1"], "not one a client may choose", 0),
+        (["{gang}/cQ.1"], "not one a client may choose", 0),
+        (["{x}"], "not one a client may choose", 0),
+        (["{gang}/cq.9"], "already used", 0),  # named by the first call
+        # Names it may give, but too many: recorded as failed, to explain a fetch of them.
+        (["{gang}/cq.1", "{gang}/cq.2"], "names 2 output handle(s)", 2),
+    ],
+)
+def test_output_handles_a_client_may_not_name_are_refused(plus_one, outputs, why, failed):
+    async def scenario() -> tuple[list[Any], int]:
+        controller, gang_id, program, x = await gang_with(plus_one)
+        controller.stream_calls(gang_id, [(program, [x], [f"{gang_id}/cq.9"])])
+        before = len(controller.arrays)
+        names = [o.format(gang=gang_id, other="g99-aaaaaaaaaaaaa", x=x) for o in outputs]
+        refused = controller.stream_calls(gang_id, [(program, [x], names)])
+        return refused, len(controller.arrays) - before
+
+    refused, added = run(scenario())
+    assert len(refused) == 1 and isinstance(refused[0][1], InvalidRequestError)
+    assert why in str(refused[0][1])
+    assert added == failed  # nothing recorded under a name the client may not give
+
+
+def test_stream_deletes_skip_handles_already_gone(plus_one):
+    async def scenario() -> tuple[int, int, int]:
+        controller, gang_id, program, x = await gang_with(plus_one)
+        a = f"{gang_id}/cd.1"
+        controller.stream_calls(gang_id, [(program, [x], [a])])
+        first = controller.delete_quietly([a, a, f"{gang_id}/cd.2"])
+        again = controller.delete_quietly([a])
+        return first, again, len(controller.arrays)
+
+    assert run(scenario()) == (1, 0, 1)  # only x is left
