@@ -45,6 +45,7 @@ from slicewise.common.errors import (
     FailedPreconditionError,
     InvalidRequestError,
     NotFoundError,
+    ProgramMismatchError,
     SlicewiseError,
     WorkerError,
 )
@@ -146,6 +147,13 @@ def _raise_from(err: grpc.RpcError) -> None:
     exc = _ERRORS.get(code, SlicewiseError)(err.details() or str(code))
     exc.code = code  # type: ignore[attr-defined]
     raise exc from None
+
+
+def _local(exc: SlicewiseError) -> SlicewiseError:
+    """An error found here, before any request: with the status the controller would
+    have answered (`.code`), like the errors that come back from it."""
+    exc.code = grpc.StatusCode[exc.status]  # type: ignore[attr-defined]
+    return exc
 
 
 def _call(fn: Any, *args: Any, **kwargs: Any) -> Any:
@@ -551,22 +559,27 @@ class Gang:
         stream = self._stream
         if stream is None:
             if self.released or self.client.closed:
-                raise FailedPreconditionError(
-                    f"gang {self.id} was released" if self.released else "the client is closed"
+                raise _local(
+                    FailedPreconditionError(
+                        f"gang {self.id} was released; allocate a new gang to run more work"
+                        if self.released
+                        else "the client is closed"
+                    )
                 )
             stream = self._stream = CallStream(self)
             self.client._streams.add(stream)
         return stream
 
     def _confirmed(self, arrays: Sequence[RemoteArray], timeout: float = 600.0) -> None:
-        """Returns once the calls that make these arrays have reached the controller;
+        """Returns once the calls that make these arrays have reached the controller
+        (a round trip, however short `timeout`: a wait's timeout is for the computation);
         raises the error of any of those calls that was refused."""
         stream = self._stream
         batch = max((a._batch for a in arrays), default=0)
         if stream is None or batch == 0:
             return
         stream.check([a.handle for a in arrays])
-        stream.sync(batch, timeout)
+        stream.sync(batch, max(timeout, CONFIRM_TIMEOUT_S))
         stream.check([a.handle for a in arrays])
 
     def _close_stream(self) -> None:
@@ -787,6 +800,8 @@ _CODES = {code.value[0]: code for code in grpc.StatusCode}
 
 # A client holds at most this many calls queued and not yet sent before a call waits.
 MAX_QUEUED_CALLS = 10_000
+# The longest a wait or fetch waits for the controller to confirm the calls before it.
+CONFIRM_TIMEOUT_S = 60.0
 
 
 class CallStream:
@@ -1003,6 +1018,7 @@ class Program:
         leaves = jax.tree.leaves((args, kwargs), is_leaf=lambda x: isinstance(x, RemoteArray))
         # Referenced until the call is queued: no delete of an uploaded argument goes first.
         inputs = [self._as_remote(i, a) for i, a in enumerate(leaves)]
+        self._check_call(inputs)
         handles = [a.handle for a in inputs]
         stream = self.gang.calls()
         stream.check(handles)  # an input whose call was refused: its error, now
@@ -1024,12 +1040,42 @@ class Program:
         if n < 1:
             raise InvalidRequestError(f"chain needs at least one call, not {n}")
         inputs = [self._as_remote(i, a) for i, a in enumerate(args)]
+        self._check_call(inputs)
         stream = self.gang.calls()
         stream.check([a.handle for a in inputs])
         self.gang._flush_due()
         names, batch = stream.chain(self.id, [a.handle for a in inputs], n, len(self.outputs))
         outs = self._outputs(names, batch)
         return outs[0] if len(outs) == 1 else tuple(outs)
+
+    def _check_call(self, inputs: Sequence[RemoteArray]) -> None:
+        """The mistakes this client can see itself, raised as the controller would (the
+        others come back on the call's outputs): the number, shapes and dtypes of the
+        inputs, and inputs deleted or on another gang."""
+        if len(inputs) != len(self.inputs):
+            raise _local(
+                ProgramMismatchError(
+                    f"program {self.name!r} takes {len(self.inputs)} input(s) "
+                    f"({', '.join(map(str, self.inputs))}) but was called with {len(inputs)}"
+                )
+            )
+        for i, (want, a) in enumerate(zip(self.inputs, inputs, strict=True)):
+            if a._lease.deleted:
+                raise _local(NotFoundError(f"array {a.handle} was deleted"))
+            if a.gang.id.partition("@")[0] != self.gang.id.partition("@")[0]:
+                raise _local(
+                    FailedPreconditionError(
+                        f"array {a.handle} lives on gang {a.gang.id}, not on gang "
+                        f"{self.gang.id}; fetch it and put it on this gang"
+                    )
+                )
+            if a.spec != want:
+                raise _local(
+                    ProgramMismatchError(
+                        f"input {i} of program {self.name!r}: expected {want}, got {a.spec} "
+                        f"(array {a.handle})"
+                    )
+                )
 
     def _outputs(self, names: Sequence[str], batch: int) -> list[RemoteArray]:
         return [
@@ -1174,14 +1220,16 @@ class Lease:
     """A client's hold on one remote array, shared by every RemoteArray of its handle: the
     array is dropped when the lease is garbage-collected."""
 
-    __slots__ = ("__weakref__", "_finalizer", "handle")
+    __slots__ = ("__weakref__", "_finalizer", "deleted", "handle")
 
     def __init__(self, handle: str) -> None:
         self.handle = handle
+        self.deleted = False
         self._finalizer: weakref.finalize | None = None
 
     def cancel(self) -> None:
         """The array is deleted explicitly: dropping it queues nothing."""
+        self.deleted = True
         if self._finalizer is not None:
             self._finalizer.detach()
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import grpc
 import jax
 import numpy as np
 import pytest
@@ -119,15 +120,16 @@ def test_calls_issued_back_to_back_travel_together_on_the_gangs_call_stream(two_
 
 
 def test_a_refused_call_raises_at_fetch_and_at_the_next_use_naming_the_call(two_slices):
-    """A call on a deleted array returns at once like any other; its error comes back on
-    its output: raised by a wait or fetch of it, and by the next call that reads it,
-    naming the refused call. The calls around it are not affected."""
+    """A call on an array deleted behind this client's back (here by a raw request)
+    returns at once like any other; the controller's refusal comes back on its output:
+    raised by a wait or fetch of it, and by the next call that reads it, naming the
+    refused call. The calls around it are not affected."""
     gang = two_slices
     mesh = gang.mesh()
     x = gang.put(np.zeros(8, np.float32), mesh.sharding(("slice", "chip")))
     inc = gang.compile(jax.jit(lambda a: a + 1), x)
     gone = gang.put(np.zeros(8, np.float32), mesh.sharding(("slice", "chip")))
-    gone.delete()
+    gang.client.stub.DeleteArrays(pb.DeleteArraysRequest(handles=[gone.handle]), timeout=60)
     before = inc(x)
     refused = inc(gone)  # returns: nothing has been checked yet
     after = inc(x)
@@ -143,14 +145,26 @@ def test_a_refused_call_raises_at_fetch_and_at_the_next_use_naming_the_call(two_
     np.testing.assert_array_equal(after.fetch(), np.ones(8))
 
 
-def test_a_stream_call_on_another_gangs_array_is_refused_and_the_stream_goes_on(client, two_slices):
+def test_mistakes_the_client_can_see_are_raised_at_the_call(client, two_slices):
+    """Wrong inputs, deleted inputs and another gang's arrays: raised at once, with the
+    status the controller would give, and nothing is sent."""
+    gang = two_slices
+    mesh = gang.mesh()
+    x = gang.put(np.zeros(8, np.float32), mesh.sharding(("slice", "chip")))
+    inc = gang.compile(jax.jit(lambda a: a + 1), x)
+    deleted = gang.put(np.zeros(8, np.float32), mesh.sharding(("slice", "chip")))
+    deleted.delete()
+    before = gang.stats().streamed_calls
     with client.allocate(slices=1, slice_type="v5litepod-16", timeout=120) as other:
-        elsewhere = other.put(np.zeros(16, np.float32))
-        gang = two_slices
-        mesh = gang.mesh()
-        x = gang.put(np.zeros(8, np.float32), mesh.sharding(("slice", "chip")))
-        inc = gang.compile(jax.jit(lambda a: a + 1), x)
-        wrong = inc(elsewhere)
-        with pytest.raises(slicewise.SlicewiseError, match="was refused"):
-            wrong.fetch()
-        np.testing.assert_array_equal(inc(x).fetch(), np.ones(8))
+        elsewhere = other.put(np.zeros(8, np.float32))
+        with pytest.raises(slicewise.FailedPreconditionError, match="lives on gang") as e:
+            inc(elsewhere)
+        assert e.value.code == grpc.StatusCode.FAILED_PRECONDITION
+    with pytest.raises(slicewise.NotFoundError, match="was deleted"):
+        inc(deleted)
+    with pytest.raises(slicewise.InvalidRequestError, match="takes 1 input"):
+        inc(x, x)
+    with pytest.raises(slicewise.InvalidRequestError, match=r"expected float32\[8\], got int32"):
+        inc(gang.put(np.zeros(8, np.int32), mesh.sharding(("slice", "chip"))))
+    np.testing.assert_array_equal(inc(x).fetch(), np.ones(8))
+    assert gang.stats().streamed_calls == before + 1
