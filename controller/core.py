@@ -67,7 +67,11 @@ log = logging.getLogger(__name__)
 
 # How many ended gangs of an earlier run a restarted controller can still explain.
 _REMEMBERED_GANGS = 10_000
-ARCHIVE_WAIT_S = 30.0  # the longest a trace waits for a gang being released to be archived
+ARCHIVE_WAIT_S = 30.0
+# The longest a wait or fetch waits for the call-stream batch it names to be queued, and
+# the most call streams tracked at once (waits for more do not wait).
+STREAM_WAIT_S = 60.0
+MAX_STREAMS = 100_000  # the longest a trace waits for a gang being released to be archived
 
 VERSION = "0.1.0"
 
@@ -123,6 +127,8 @@ class Controller:
         # Gangs being released: set once their timelines are archived (a trace asked for
         # in between waits for that rather than finding neither the gang nor its archive).
         self._archiving: dict[str, asyncio.Event] = {}
+        # Call streams by handle prefix ("<gang>/c<tag>"): how far each is queued.
+        self._streams: dict[str, StreamProgress] = {}
         self._gauges: asyncio.Task[None] | None = None
         self._unpinning: set[asyncio.Task[None]] = set()  # see _unpin
         self._journalled: set[str] = set()
@@ -359,6 +365,38 @@ class Controller:
                 continue
             self._queue_call(gang, client, program, tuple(inputs), names=tuple(outputs))
         return refused
+
+    def stream_opened(self, prefix: str) -> StreamProgress:
+        """Registers a call stream by its handle prefix (waits may name its batches)."""
+        progress = self._streams.setdefault(prefix, StreamProgress())
+        progress.open = True
+        return progress
+
+    def stream_closed(self, prefix: str) -> None:
+        progress = self._streams.pop(prefix, None)
+        if progress is not None:
+            progress.close()
+
+    async def after_stream(self, handles: Sequence[str], batch: int, timeout_s: float) -> None:
+        """Returns once the call stream these handles come from has queued batch `batch`
+        (at most `timeout_s`, and not at all for handles of no stream): a client's wait
+        or fetch may overtake the calls it waits for, which travel on the stream."""
+        if not batch:
+            return
+        for prefix in {h.rpartition(".")[0] for h in handles if "/c" in h}:
+            progress = self._streams.get(prefix)
+            if progress is None:  # its first batch is still on the way
+                if len(self._streams) >= MAX_STREAMS:
+                    continue
+                progress = self._streams[prefix] = StreamProgress()
+            progress.waiters += 1
+            try:
+                await progress.reach(batch, min(timeout_s or STREAM_WAIT_S, STREAM_WAIT_S))
+            finally:
+                progress.waiters -= 1
+                gone = not progress.open and not progress.waiters
+                if gone and self._streams.get(prefix) is progress:
+                    del self._streams[prefix]
 
     def _fail_outputs(self, gang_id: str, handles: Sequence[str], error: str) -> None:
         """Records the outputs of a refused call as failed, those of them that are new
@@ -837,6 +875,36 @@ class Controller:
         if archived is None:
             self.get_gang(gang_id)  # raises the right error for unknown or released gangs
         return chrome_trace(archived or [])
+
+
+class StreamProgress:
+    """How far the controller has queued one call stream's batches: what a wait or fetch
+    that names the batch making its array (`after_batch`) waits for."""
+
+    def __init__(self) -> None:
+        self.batch = 0
+        self.open = False  # its stream is being read
+        self.waiters = 0
+        self._changed = asyncio.Event()
+
+    def advance(self, batch: int) -> None:
+        self.batch = batch
+        self._changed.set()
+        self._changed = asyncio.Event()
+
+    def close(self) -> None:
+        self.open = False
+        self._changed.set()
+
+    async def reach(self, batch: int, timeout_s: float) -> None:
+        """Returns once batch `batch` is queued, the stream ended, or after `timeout_s`."""
+        deadline = time.monotonic() + timeout_s
+        while self.batch < batch:
+            changed, left = self._changed, deadline - time.monotonic()
+            if left <= 0 or (self.batch and not self.open):
+                return
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(changed.wait(), left)
 
 
 def _numbered(need: ArrayRecord | Ticket) -> bool:

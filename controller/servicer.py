@@ -22,7 +22,7 @@ import numpy as np
 
 from controller import messages, metrics
 from controller.auth import current_identity, may_see
-from controller.core import VERSION, Controller
+from controller.core import VERSION, Controller, StreamProgress
 from controller.gang import Gang, worker_name
 from controller.job import (
     DEFAULT_CHECKPOINT_EVERY,
@@ -477,7 +477,24 @@ class ControllerServicer(pb_grpc.ControllerServicer):
     async def Calls(
         self, request: AsyncIterator[pb.CallBatch], context: Any
     ) -> AsyncIterator[pb.CallEvent]:
+        stream = ""
+        try:
+            async with contextlib.aclosing(self._calls(request, context)) as events:
+                async for event in events:
+                    if isinstance(event, str):
+                        stream = event
+                        continue
+                    yield event
+        finally:
+            if stream:
+                self.controller.stream_closed(stream)
+
+    async def _calls(
+        self, request: AsyncIterator[pb.CallBatch], context: Any
+    ) -> AsyncGenerator[pb.CallEvent | str, None]:
+        """The body of `Calls`; yields the stream's prefix (a str) once it is known."""
         gang_id, last, calls = "", 0, 0
+        progress: StreamProgress | None = None
         async for batch in request:
             if batch.gang_id and gang_id and batch.gang_id != gang_id:
                 raise InvalidRequestError(
@@ -496,6 +513,20 @@ class ControllerServicer(pb_grpc.ControllerServicer):
                 )
             last = batch.batch
             set_log_context(gang=gang_id)
+            if progress is None and batch.stream:
+                prefix = batch.stream
+                if not prefix.startswith(gang_id.partition("@")[0] + "/c") or len(prefix) > 100:
+                    raise InvalidRequestError(
+                        f'call-stream prefix {prefix[:100]!r} is not "<gang>/c<tag>" for '
+                        f"gang {gang_id}"
+                    )
+                progress = self.controller.stream_opened(prefix)
+                if progress.batch:
+                    raise InvalidRequestError(
+                        f"call-stream prefix {prefix} is in use by another stream; choose a "
+                        "new tag for each stream"
+                    )
+                yield prefix
             specs = [(c.program_id, list(c.inputs), list(c.outputs)) for c in batch.calls]
             try:
                 refused = self.controller.stream_calls(gang_id, specs) if specs else []
@@ -521,6 +552,8 @@ class ControllerServicer(pb_grpc.ControllerServicer):
             calls += len(specs)
             if batch.deletes:
                 self.controller.delete_quietly(list(batch.deletes))
+            if progress is not None:
+                progress.advance(batch.batch)
             if batch.sync:
                 yield pb.CallEvent(accepted=batch.batch)
 
@@ -531,6 +564,7 @@ class ControllerServicer(pb_grpc.ControllerServicer):
         timeout_s = check_seconds(
             "FetchArrayRequest.timeout_s", request.timeout_s, "0 means the controller's default"
         )
+        await self.controller.after_stream([request.handle], request.after_batch, timeout_s)
         with _holding("fetch") as hold:
             record, array = await self.controller.fetch(request.handle, timeout_s)
             hold(array.nbytes)
@@ -545,6 +579,7 @@ class ControllerServicer(pb_grpc.ControllerServicer):
         timeout_s = check_seconds(
             "WaitArraysRequest.timeout_s", request.timeout_s, "0 waits until they settle"
         )
+        await self.controller.after_stream(request.handles, request.after_batch, timeout_s)
         records = await self.controller.wait(list(request.handles), timeout_s)
         return pb.WaitArraysResponse(arrays=[messages.array_to_pb(r) for r in records])
 

@@ -575,12 +575,34 @@ class Gang:
         (a round trip, however short `timeout`: a wait's timeout is for the computation);
         raises the error of any of those calls that was refused."""
         stream = self._stream
-        batch = max((a._batch for a in arrays), default=0)
+        mine = [a for a in arrays if a._stream is stream]
+        batch = max((a._batch for a in mine), default=0)
         if stream is None or batch == 0:
             return
         stream.check([a.handle for a in arrays])
         stream.sync(batch, max(timeout, CONFIRM_TIMEOUT_S))
         stream.check([a.handle for a in arrays])
+
+    def _after(self, arrays: Sequence[RemoteArray]) -> int:
+        """The call-stream batch a wait or fetch of these arrays comes after (the
+        controller waits for it; 0: none to wait for); raises the error of a call making
+        one of them that is known to have been refused."""
+        stream = self._stream
+        if stream is None:
+            return 0
+        mine = [a for a in arrays if a._stream is stream]
+        stream.check([a.handle for a in mine])
+        batch = max((a._batch for a in mine), default=0)
+        return batch if batch > stream.accepted else 0
+
+    def _refusal(self, array: RemoteArray) -> None:
+        """For an array that came back failed: if its call was refused, raises that (with
+        the status it was refused with), once the refusal has arrived."""
+        stream = self._stream
+        if stream is not None and array._stream is stream and array._batch:
+            with contextlib.suppress(SlicewiseError):
+                stream.sync(array._batch, CONFIRM_TIMEOUT_S)
+            stream.check([array.handle])
 
     def _close_stream(self) -> None:
         stream, self._stream = self._stream, None
@@ -948,6 +970,7 @@ class CallStream:
                 self.sent += 1
                 batch = pb.CallBatch(
                     gang_id=self.gang.id if self.sent == 1 else "",
+                    stream=self._prefix[:-1] if self.sent == 1 else "",
                     batch=self.sent,
                     calls=self._calls,
                     deletes=self._deletes,
@@ -1132,6 +1155,7 @@ class RemoteArray:
         self.spec = spec
         self.sharding = sharding
         self._batch = batch  # the call-stream batch of the call that makes it (0: none)
+        self._stream = gang._stream if batch else None
         self._lease = gang._drops.lease(handle, spec.nbytes)
 
     @classmethod
@@ -1163,10 +1187,10 @@ class RemoteArray:
 
     def wait(self, timeout: float = 600.0) -> pb.ArrayInfo:
         """Blocks until the array is computed (or failed); returns its state."""
-        self.gang._confirmed([self], timeout)
+        after = self.gang._after([self])
         reply = _call(
             self.gang.client.stub.WaitArrays,
-            pb.WaitArraysRequest(handles=[self.handle], timeout_s=timeout),
+            pb.WaitArraysRequest(handles=[self.handle], timeout_s=timeout, after_batch=after),
             timeout=timeout + 30,
         )
         return reply.arrays[0]
@@ -1174,6 +1198,7 @@ class RemoteArray:
     def block_until_ready(self, timeout: float = 600.0) -> RemoteArray:
         info = self.wait(timeout)
         if info.state == pb.ARRAY_STATE_FAILED:
+            self.gang._refusal(self)
             raise FailedPreconditionError(f"array {self.handle} failed: {info.error}")
         if info.state != pb.ARRAY_STATE_READY:
             raise DeadlineError(f"array {self.handle} not ready after {timeout:.0f} s")
@@ -1181,17 +1206,18 @@ class RemoteArray:
 
     def fetch(self, timeout: float = 600.0) -> np.ndarray:
         """Downloads the whole array as numpy (waits for it to be computed)."""
-        self.gang._confirmed([self], timeout)
+        after = self.gang._after([self])
         out = np.empty(self.spec.nbytes, dtype=np.uint8)
         offset = 0
+        request = pb.FetchArrayRequest(handle=self.handle, timeout_s=timeout, after_batch=after)
         try:
-            for chunk in self.gang.client.stub.FetchArray(
-                pb.FetchArrayRequest(handle=self.handle, timeout_s=timeout), timeout=timeout + 60
-            ):
+            for chunk in self.gang.client.stub.FetchArray(request, timeout=timeout + 60):
                 if chunk.HasField("data"):
                     out[offset : offset + len(chunk.data)] = np.frombuffer(chunk.data, np.uint8)
                     offset += len(chunk.data)
         except grpc.RpcError as err:
+            if err.code() is grpc.StatusCode.FAILED_PRECONDITION:
+                self.gang._refusal(self)
             _raise_from(err)
         if offset != out.size:
             raise WorkerError(f"fetch of {self.handle} ended after {offset} of {out.size} bytes")

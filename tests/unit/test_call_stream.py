@@ -133,3 +133,28 @@ def test_stream_deletes_skip_handles_already_gone(plus_one):
         return first, again, len(controller.arrays)
 
     assert run(scenario()) == (1, 0, 1)  # only x is left
+
+
+def test_a_wait_naming_a_batch_still_on_its_way_waits_for_it(plus_one):
+    """A client's wait may reach the controller before the stream message with the call
+    it waits for: it waits for that batch to be queued, then for the array."""
+
+    async def scenario() -> tuple[bool, bool, list[ArrayState], int]:
+        controller, gang_id, program, x = await gang_with(plus_one)
+        prefix = f"{gang_id}/cw"
+        a = f"{prefix}.1"
+        waiter = asyncio.create_task(controller.after_stream([a], 1, TIMEOUT))
+        await asyncio.sleep(0)  # the waiter runs up to its wait (an ordering, not a delay)
+        early = waiter.done()
+        progress = controller.stream_opened(prefix)
+        controller.stream_calls(gang_id, [(program, [x], [a])])
+        progress.advance(1)
+        await asyncio.wait_for(waiter, TIMEOUT)
+        states = [r.state for r in await controller.wait([a], TIMEOUT)]
+        controller.stream_closed(prefix)
+        return early, waiter.done(), states, len(controller._streams)
+
+    early, done, states, streams = run(scenario())
+    assert not early and done
+    assert states == [ArrayState.READY]
+    assert streams == 0  # nothing kept of the stream once it ended
