@@ -36,7 +36,8 @@ from slicewise.common.ops import Op, OpResult
 
 class Pending(Protocol):
     """Work launched but maybe not finished; `wait` raises if it failed, and returns the
-    values to report with the completion (or None)."""
+    values to report with the completion (or None). It may also have `ready()`: whether
+    the work is done already (then `wait` returns at once)."""
 
     def wait(self) -> Any: ...
 
@@ -67,6 +68,11 @@ class Progress:
 def op_kind(op: Op) -> str:
     """`exec`, `save`, `hang`...: an operation's type in a word."""
     return type(op).__name__.removesuffix("Op").lower()
+
+
+def _is_ready(pending: Pending) -> bool:
+    ready = getattr(pending, "ready", None)
+    return bool(ready is not None and ready())
 
 
 class SequenceError(RuntimeError):
@@ -245,6 +251,20 @@ class InOrderExecutor:
             self._applying = None
         if pending is None:  # done on this thread: it ran from launch to now
             self._finish(op, fut, launched, launched, self._clock(), None)
+        elif not self._in_flight and _is_ready(pending):
+            # Done by the time its launch returned (XLA:CPU runs a program with collectives
+            # across processes inside the launch), with nothing before it to report first:
+            # finished now, here, without a round trip through the watcher thread.
+            ready = self._clock()
+            values, error = None, None
+            try:
+                values = pending.wait()
+            except Exception as exc:  # noqa: BLE001 - reported to the controller, not raised
+                error = exc
+            started = max(launched, self._devices_free_ns)
+            self._devices_free_ns = ready
+            self._max_in_flight = max(self._max_in_flight, 1)
+            self._finish(op, fut, launched, started, ready, error, values)
         else:
             flight = _Flight(op, pending, fut, launched)
             self._in_flight.append(flight)

@@ -65,6 +65,9 @@ class _Outputs:
         self._arrays = arrays
         self._report = report
 
+    def ready(self) -> bool:
+        return all(a.is_ready() for a in self._arrays)
+
     def wait(self) -> tuple[np.ndarray, ...] | None:
         for a in self._arrays:
             a.block_until_ready()

@@ -422,3 +422,49 @@ def test_progress_skips_programs_whose_outputs_are_ready_while_a_later_op_blocks
     wait_until(lambda: device.running == 0, timeout_s=TIMEOUT, what="op 1's work done")
     assert executor.progress().oldest_seq == 2
     release.set()
+
+
+class DoneAtLaunch(Timed):
+    """A Pending whose work was done when its launch returned (XLA:CPU with collectives
+    across processes); `waited_on` names the threads that waited for it."""
+
+    def __init__(self, clock, ready_ms):
+        super().__init__(clock, ready_ms)
+        self.gate.set()
+        self.waited_on = []
+
+    def ready(self):
+        return True
+
+    def wait(self):
+        self.waited_on.append(threading.current_thread().name)
+        return super().wait()
+
+
+def test_work_done_at_launch_is_finished_on_the_executor_thread_in_order(start):
+    """No round trip through the watcher thread for it, unless programs launched before
+    it are still to be reported (they go first)."""
+    clock = Clock()
+    pendings = {}
+
+    def apply(operation):
+        if operation.seq == 2:  # a program still running when 3 is launched
+            work = pendings[2] = Timed(clock, 50)
+        else:
+            clock.now += 10 * MS
+            work = pendings[operation.seq] = DoneAtLaunch(clock, clock.now // MS)
+        return work
+
+    apply.open_all = lambda: [p.gate.set() for p in pendings.values()]
+    executor = start(apply, window=3, clock=clock)
+    futures = executor.submit([op(1)])
+    first = results(futures)
+    futures = executor.submit([op(2), op(3)])
+    wait_until(lambda: 3 in pendings, timeout_s=TIMEOUT, what="op 3 to be launched")
+    pendings[2].gate.set()
+    second, third = results(futures)
+    assert pendings[1].waited_on == ["in-order-executor"]
+    assert pendings[3].waited_on == ["executor-watcher"]  # behind 2, which was in flight
+    assert ran_ms(first[0]) == (0, 10)
+    assert ran_ms(second) == (10, 50) and ran_ms(third)[1] == 50
+    assert executor.max_in_flight == 2
