@@ -12,6 +12,10 @@ no controller, and (b) a plain Ray driver calling ordinary actors once per compu
 Then the paper's Figure 6 sweep: the computation made longer (0.1 ms to ~100 ms of
 per-device work) to find the shortest computation for which slicewise's OpByOp
 throughput reaches 95% of multi-controller JAX (the paper reports 2.3 ms at 16 hosts).
+
+It also prints where each OpByOp call's CPU goes (client, controller, workers; the
+workers' against their own cost when they run the loop themselves), and the controller's
+CPU per call on gangs of 1, 2, 4 and 8 hosts, extrapolated to a 12,800-host gang.
 """
 
 from __future__ import annotations
@@ -192,6 +196,7 @@ def run(quick: bool = False) -> dict[str, Any]:
         "opbyop_waited_vs_plain_ray_waited": shapes["opbyop_waited"]["median"] / plain["waited"],
     }
     out["sweep"] = sweep
+    out["controller_scaling"] = controller_scaling(quick)
     # CPU per computation, in microseconds, by where it is spent: slicewise's OpByOp
     # against the same loop run by the workers themselves (whose CPU is the floor).
     out["cpu_per_call_us"] = {
@@ -201,6 +206,76 @@ def run(quick: bool = False) -> dict[str, Any]:
     reached = [p["length_ms"] for p in sweep if p["ratio"] >= 0.95]
     out["break_even_ms"] = min(reached) if reached else None
     return out
+
+
+# Controller CPU per call by gang size: (hosts, slice type, slices), all on one simulation.
+SCALING = [
+    (1, "v5litepod-4", 1),
+    (2, "v5litepod-4", 2),
+    (4, "v5litepod-16", 1),
+    (8, "v5litepod-32", 1),
+]
+SCALING_SIM = "2xv5litepod-4,v5litepod-16,v5litepod-32"
+# A 51,200-chip v5e job: 200 slices of v5litepod-256, 64 hosts of 4 chips each.
+TARGET_HOSTS = 12_800
+
+
+def controller_scaling(quick: bool = False) -> dict[str, Any]:
+    """The controller's CPU per call on gangs of 1, 2, 4 and 8 simulated hosts (an
+    elementwise program over every chip, calls back to back on the call stream), fitted
+    as a + b * hosts and extrapolated to TARGET_HOSTS."""
+    import jax
+
+    import slicewise
+
+    calls = 500 if quick else BUDGET_CALLS
+    points = []
+    with (
+        sim_controller(SCALING_SIM) as controller,
+        slicewise.connect(controller.address) as client,
+    ):
+        for hosts, slice_type, slices in SCALING:
+            with client.allocate(slices=slices, slice_type=slice_type, timeout=300) as gang:
+                assert gang.num_slices * gang.hosts_per_slice == hosts
+                mesh = gang.mesh()
+                axes = tuple(mesh.shape)
+                x = gang.put(np.zeros(gang.num_devices, np.float32), mesh.sharding(axes))
+                inc = gang.compile(jax.jit(lambda a: a + 1), x, name="increment")
+                inc(x).block_until_ready()
+                meter = CpuMeter({"controller": [controller.pid]})
+                started = time.perf_counter()
+                with meter:
+                    y = x
+                    for _ in range(calls):
+                        y = inc(y)
+                    y.block_until_ready()
+                seconds = time.perf_counter() - started
+                assert float(y.fetch()[0]) == calls, "the scaling benchmark computes wrongly"
+                points.append(
+                    {
+                        "hosts": hosts,
+                        "gang": f"{slices} x {slice_type}",
+                        "calls": calls,
+                        "controller_cpu_us_per_call": 1e6 * meter.used["controller"] / calls,
+                        "calls_per_s": calls / seconds,
+                    }
+                )
+    hosts = np.array([p["hosts"] for p in points], float)
+    cpu = np.array([p["controller_cpu_us_per_call"] for p in points])
+    per_host, fixed = np.polyfit(hosts, cpu, 1)
+    predicted = fixed + per_host * hosts
+    r2 = 1 - float(np.sum((cpu - predicted) ** 2) / max(np.sum((cpu - cpu.mean()) ** 2), 1e-12))
+    at_target = fixed + per_host * TARGET_HOSTS
+    return {
+        "points": points,
+        "fit": {"fixed_us": float(fixed), "per_host_us": float(per_host), "r2": r2},
+        "extrapolated": {
+            "hosts": TARGET_HOSTS,
+            "chips": TARGET_HOSTS * 4,
+            "controller_cpu_ms_per_call": at_target / 1e3,
+            "calls_per_s": 1e6 / at_target if at_target > 0 else None,
+        },
+    }
 
 
 def plot(result: dict[str, Any], path: Path) -> None:
@@ -269,6 +344,19 @@ def report(result: dict[str, Any]) -> str:
         + ", ".join(f"{p['length_ms']:.2f} ms -> {p['ratio']:.2f}" for p in result["sweep"]),
         f"break-even (>= 95% of multi-controller): {result['break_even_ms']} ms",
     ]
+    scaling = result.get("controller_scaling")
+    if scaling:
+        fit, at = scaling["fit"], scaling["extrapolated"]
+        lines.append(
+            "controller CPU per call by hosts per gang: "
+            + ", ".join(
+                f"{p['hosts']}: {p['controller_cpu_us_per_call']:.0f} us" for p in scaling["points"]
+            )
+            + f"; fit {fit['fixed_us']:.0f} + {fit['per_host_us']:.1f} us x hosts "
+            f"(R^2 {fit['r2']:.2f}); at {at['hosts']:,} hosts "
+            f"{at['controller_cpu_ms_per_call']:.1f} ms per call, "
+            f"{at['calls_per_s'] or 0:.1f} calls/s from one controller core"
+        )
     cpu = result.get("cpu_per_call_us")
     if cpu:
         ours, floor = cpu["slicewise"], cpu["multi_controller"]
