@@ -555,8 +555,12 @@ class Gang:
     # -- the call stream ----------------------------------------------------------
 
     def calls(self) -> CallStream:
-        """This gang's call stream, opened on first use."""
+        """This gang's call stream, opened on first use. A stream that broke (the
+        controller went away, say) raises why once; the next call opens a new one."""
         stream = self._stream
+        if stream is not None and stream.broken:
+            self._stream = None
+            raise stream.error  # type: ignore[misc]
         if stream is None:
             if self.released or self.client.closed:
                 raise _local(
@@ -587,19 +591,20 @@ class Gang:
         """The call-stream batch a wait or fetch of these arrays comes after (the
         controller waits for it; 0: none to wait for); raises the error of a call making
         one of them that is known to have been refused."""
+        for a in arrays:  # a refusal known already, on whichever stream it came
+            if a._stream is not None:
+                a._stream.check([a.handle])
         stream = self._stream
         if stream is None:
             return 0
-        mine = [a for a in arrays if a._stream is stream]
-        stream.check([a.handle for a in mine])
-        batch = max((a._batch for a in mine), default=0)
+        batch = max((a._batch for a in arrays if a._stream is stream), default=0)
         return batch if batch > stream.accepted else 0
 
     def _refusal(self, array: RemoteArray) -> None:
         """For an array that came back failed: if its call was refused, raises that (with
         the status it was refused with), once the refusal has arrived."""
-        stream = self._stream
-        if stream is not None and array._stream is stream and array._batch:
+        stream = array._stream
+        if stream is not None and array._batch:
             with contextlib.suppress(SlicewiseError):
                 stream.sync(array._batch, CONFIRM_TIMEOUT_S)
             stream.check([array.handle])
@@ -952,6 +957,11 @@ class CallStream:
         if self._reader.is_alive():
             self._responses.cancel()
             self._reader.join(timeout)
+
+    @property
+    def broken(self) -> bool:
+        """Whether the stream ended other than by `close` (see `error`)."""
+        return self._ended and not self._closing and self.error is not None
 
     def _check_open(self) -> None:
         if self._ended or self._closing:

@@ -9,6 +9,7 @@ import itertools
 import threading
 import weakref
 
+import grpc
 import numpy as np
 import pytest
 
@@ -18,6 +19,7 @@ from slicewise import wire
 from slicewise.client import DropQueue, Gang, Mesh, Program, RemoteArray
 from slicewise.common.arrays import ArraySpec
 from slicewise.common.mesh import MeshSpec
+from slicewise.testing import wait_until
 
 SPEC = ArraySpec.of((4,), np.float32)
 
@@ -272,3 +274,40 @@ def test_a_put_or_call_sends_deletes_only_once_a_batch_is_queued(gang):
     step(x)
     gang.calls().sync()
     assert [len(b) for b in gang.client.stub.deletes()] == [3]
+
+
+class Unavailable(grpc.RpcError):
+    def code(self):
+        return grpc.StatusCode.UNAVAILABLE
+
+    def details(self):
+        return "the controller went away"
+
+
+def test_a_broken_call_stream_raises_why_once_and_the_next_call_opens_a_new_one(gang):
+    step = program(gang)
+    x = gang.put(np.ones(4, np.float32))
+    stub = gang.client.stub
+    opened = []
+
+    def broken_calls(requests, timeout=None):
+        opened.append(requests)
+
+        def responses():
+            next(requests)  # the first batch goes out, then the connection drops
+            raise Unavailable()
+            yield  # a generator
+
+        return Responses(responses())
+
+    stub.Calls, working = broken_calls, stub.Calls
+    step(x)
+    stream = gang._stream
+    wait_until(lambda: stream.broken, timeout_s=10, what="the stream to break")
+    with pytest.raises(slicewise.WorkerError, match="the controller went away"):
+        step(x)
+    stub.Calls = working
+    y = step(x)  # on a new stream
+    gang.calls().sync()
+    assert gang._stream is not stream and len(opened) == 1
+    assert ("execute", [x.handle]) in stub.calls and y._stream is gang._stream
