@@ -43,6 +43,10 @@ RPC_SECONDS = Histogram(
     buckets=_LATENCY_BUCKETS,
 )
 OPERATIONS = Counter("slicewise_operations_total", "Operations dispatched to gangs", ["kind"])
+STREAM_CALLS = Counter("slicewise_stream_calls_total", "Calls received on call streams")
+STREAM_MESSAGES = Counter(
+    "slicewise_stream_messages_total", "Call-stream messages received (calls travel together)"
+)
 BYTES = Counter("slicewise_bytes_total", "Array bytes moved through the controller", ["direction"])
 FAILURES = Counter("slicewise_failures_total", "Failed RPCs, operations and workers", ["kind"])
 TRANSFER_BYTES = Gauge(

@@ -528,6 +528,8 @@ class ControllerServicer(pb_grpc.ControllerServicer):
                     )
                 yield prefix
             specs = [(c.program_id, list(c.inputs), list(c.outputs)) for c in batch.calls]
+            metrics.STREAM_MESSAGES.inc()
+            metrics.STREAM_CALLS.inc(len(specs))
             try:
                 refused = self.controller.stream_calls(gang_id, specs) if specs else []
             except SlicewiseError as exc:  # the gang: every call of the batch is refused

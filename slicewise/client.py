@@ -600,9 +600,13 @@ class Gang:
         batch = max((a._batch for a in arrays if a._stream is stream), default=0)
         return batch if batch > stream.accepted else 0
 
-    def _refusal(self, array: RemoteArray) -> None:
-        """For an array that came back failed: if its call was refused, raises that (with
-        the status it was refused with), once the refusal has arrived."""
+    def _refusal(self, array: RemoteArray, err: grpc.RpcError | None) -> None:
+        """For an array that came back failed, unknown or gone (`err`: the answer, None
+        for a failed state): if its call was refused, raises that refusal (with the
+        status it was refused with) once it has arrived, rather than what the array's
+        absence says."""
+        if err is not None and err.code() not in _ABSENT:
+            return
         stream = array._stream
         if stream is not None and array._batch:
             with contextlib.suppress(SlicewiseError):
@@ -824,6 +828,8 @@ class Gang:
 
 
 _CODES = {code.value[0]: code for code in grpc.StatusCode}
+# What a wait or fetch of an output of a refused call may answer.
+_ABSENT = (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.NOT_FOUND)
 
 # A client holds at most this many calls queued and not yet sent before a call waits.
 MAX_QUEUED_CALLS = 10_000
@@ -1198,17 +1204,18 @@ class RemoteArray:
     def wait(self, timeout: float = 600.0) -> pb.ArrayInfo:
         """Blocks until the array is computed (or failed); returns its state."""
         after = self.gang._after([self])
-        reply = _call(
-            self.gang.client.stub.WaitArrays,
-            pb.WaitArraysRequest(handles=[self.handle], timeout_s=timeout, after_batch=after),
-            timeout=timeout + 30,
-        )
+        request = pb.WaitArraysRequest(handles=[self.handle], timeout_s=timeout, after_batch=after)
+        try:
+            reply = self.gang.client.stub.WaitArrays(request, timeout=timeout + 30)
+        except grpc.RpcError as err:
+            self.gang._refusal(self, err)
+            _raise_from(err)
         return reply.arrays[0]
 
     def block_until_ready(self, timeout: float = 600.0) -> RemoteArray:
         info = self.wait(timeout)
         if info.state == pb.ARRAY_STATE_FAILED:
-            self.gang._refusal(self)
+            self.gang._refusal(self, None)
             raise FailedPreconditionError(f"array {self.handle} failed: {info.error}")
         if info.state != pb.ARRAY_STATE_READY:
             raise DeadlineError(f"array {self.handle} not ready after {timeout:.0f} s")
@@ -1226,8 +1233,7 @@ class RemoteArray:
                     out[offset : offset + len(chunk.data)] = np.frombuffer(chunk.data, np.uint8)
                     offset += len(chunk.data)
         except grpc.RpcError as err:
-            if err.code() is grpc.StatusCode.FAILED_PRECONDITION:
-                self.gang._refusal(self)
+            self.gang._refusal(self, err)
             _raise_from(err)
         if offset != out.size:
             raise WorkerError(f"fetch of {self.handle} ended after {offset} of {out.size} bytes")

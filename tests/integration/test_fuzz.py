@@ -124,6 +124,7 @@ class Pool:
     programs: list[str]
     jobs: list[str]
     spare: list[str] = field(default_factory=list)
+    streamed: list[str] = field(default_factory=list)  # outputs named on call streams
 
 
 Reply = tuple[grpc.StatusCode, list[bytes]]
@@ -157,7 +158,12 @@ class Campaign:
         shown = payload if isinstance(payload, bytes) else b"|".join(payload)
         self.current = f"{name} <- {shown[:300]!r}"
         try:
-            if method.client_streaming:
+            if method.client_streaming and method.server_streaming:
+                frames = payload if isinstance(payload, list) else [payload]
+                replies = list(
+                    self.channel.stream_stream(path, **raw)(iter(frames), timeout=timeout)
+                )
+            elif method.client_streaming:
                 frames = payload if isinstance(payload, list) else [payload]
                 stub = self.channel.stream_unary(path, **raw)
                 replies = [stub(iter(frames), timeout=timeout)]
@@ -189,6 +195,14 @@ class Campaign:
         """A request message (a list of them for a request stream), with `suffix` (unknown
         fields) after the first."""
         if isinstance(request, list):
+            if name == "Calls":  # outputs it may have made: deleted when the campaign ends
+                self.pool.streamed.extend(
+                    o
+                    for m in request
+                    if isinstance(m, pb.CallBatch)
+                    for c in m.calls
+                    for o in c.outputs
+                )
             frames = [m.SerializeToString() for m in request]
             return self.call(name, [frames[0] + suffix, *frames[1:]] if frames else [], keep=keep)
         return self.call(name, request.SerializeToString() + suffix, keep=keep)
@@ -322,6 +336,7 @@ def templates(real: Real) -> dict[str, Message | list[Message]]:
     header = pb.ProgramHeader(
         gang_id=real.gang, name="plus_one", mesh=real.mesh, total_bytes=len(real.program)
     )
+    base = real.gang.partition("@")[0]
     calls = [
         pb.CallSpec(program_id=real.program_id, inputs=[real.array]),
         pb.CallSpec(program_id=real.program_id, inputs=["@0:0"]),
@@ -347,6 +362,25 @@ def templates(real: Real) -> dict[str, Message | list[Message]]:
             gang_id=real.gang, program_id=real.program_id, inputs=[real.array]
         ),
         "ExecuteBatch": pb.ExecuteBatchRequest(gang_id=real.gang, calls=calls),
+        "Calls": [
+            pb.CallBatch(
+                gang_id=real.gang,
+                batch=1,
+                stream=f"{base}/cfz",
+                calls=[
+                    pb.StreamCall(
+                        program_id=real.program_id, inputs=[real.array], outputs=[f"{base}/cfz.1"]
+                    ),
+                    pb.StreamCall(
+                        program_id=real.program_id,
+                        inputs=[f"{base}/cfz.1"],
+                        outputs=[f"{base}/cfz.2"],
+                    ),
+                ],
+                deletes=[f"{base}/cfz.1", f"{base}/cfz.2"],
+                sync=True,
+            )
+        ],
         "FetchArray": pb.FetchArrayRequest(handle=real.array, timeout_s=10),
         "WaitArrays": pb.WaitArraysRequest(handles=[real.array], timeout_s=1),
         "DeleteArrays": pb.DeleteArraysRequest(handles=[]),
@@ -562,6 +596,7 @@ def run_campaign(campaign: Campaign, real: Real) -> None:
     near_requests["PutArray"] = near_valid_stream(
         valid["PutArray"], hinted, lambda h: rarely(st.just([upload_bytes(h)]), st.just([]))
     )
+    near_requests["Calls"] = st.lists(near_valid(valid["Calls"][0], hinted), min_size=1, max_size=3)
     for name in METHODS:
         fuzz(campaign, name, near_requests[name], NEAR_VALID[name])
 
@@ -577,6 +612,7 @@ def run_campaign(campaign: Campaign, real: Real) -> None:
         "RegisterProgram": (pb.ProgramChunk, st.one_of(st.just(program), mutations(program))),
         "PutArray": (pb.PutChunk, st.just(b"")),
     }
+    scratch["Calls"] = st.lists(message_of(pb.CallBatch.DESCRIPTOR, hinted), max_size=4)
     for name, (chunk, data) in streams.items():
         header = valid[name][0].header
         headers = st.one_of(message_of(header.DESCRIPTOR, hinted), near_valid(header, hinted))
@@ -684,6 +720,9 @@ def test_fuzz_every_rpc(fuzz_controller, tmp_path):
         # Nothing the fuzz made lingers once the campaign's own gang, job and arrays go.
         if pool.spare:
             campaign.send("DeleteArrays", pb.DeleteArraysRequest(handles=pool.spare))
+        if pool.streamed:  # a stream's deletes skip what is gone
+            done = [pb.CallBatch(gang_id=gang.id, batch=1, deletes=pool.streamed, sync=True)]
+            assert campaign.send("Calls", done)[0] is OK
         for job in client.jobs():
             if job.state < pb.JOB_STATE_SUCCEEDED:
                 client.cancel_job(job.job_id)

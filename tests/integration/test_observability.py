@@ -57,13 +57,18 @@ def test_metrics_endpoint_moves_during_a_run(controller, client):
         ("slicewise_dispatch_latency_seconds_count", {"kind": "exec"}),
         ("slicewise_bytes_total", {"direction": "put"}),
         ("slicewise_bytes_total", {"direction": "fetch"}),
-        ("slicewise_rpc_seconds_count", {"method": "Execute"}),
+        ("slicewise_rpc_seconds_count", {"method": "AllocateGang"}),
+        ("slicewise_stream_calls_total", {}),
     ]:
         grew = total(after, name, **labels) - total(before, name, **labels)
         assert grew > 0, f"{name}{labels} did not move ({grew})"
     assert (
         total(after, "slicewise_operations_total", kind="exec")
         - total(before, "slicewise_operations_total", kind="exec")
+        >= 10
+    )
+    assert (
+        total(after, "slicewise_stream_calls_total") - total(before, "slicewise_stream_calls_total")
         >= 10
     )
     assert (

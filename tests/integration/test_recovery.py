@@ -22,7 +22,7 @@ import pytest
 
 import slicewise
 from protos import controller_pb2 as pb
-from tests.integration.conftest import start_controller
+from tests.integration.conftest import controller_log, start_controller
 from tests.integration.test_checkpoints import (
     assert_losses_match,
     finished,
@@ -121,26 +121,48 @@ def step_log(client, job_id: str) -> tuple[threading.Thread, list[int]]:
     return reader, steps
 
 
-@pytest.mark.timeout(900)
-def test_a_slice_lost_with_a_replica_elsewhere_loses_no_step(chaos_client, uninterrupted):
-    client = chaos_client
-    seed = int.from_bytes(os.urandom(4), "little")
-    rng = random.Random(seed)
-    # Process 1 only: killing process 0 a few steps after a checkpoint (seed 2341211240:
-    # step 14) makes the surviving worker abort in gloo ("Received data size doesn't
-    # match expected size", std::terminate in its TCP loop), so no replica survives and
-    # the job falls back to its checkpoint. A known bug, in the notes; not hidden by luck.
-    at, victim = rng.randint(EVERY + 1, STEPS - 8), 1
-    print(f"seed {seed}: kill-worker of process {victim} once step {at} is done")
-    job = submit_lm(client, STEPS, checkpoint_every=EVERY, peer_recovery=True)
-    reader, log = step_log(client, job.job_id)
-    client.inject_fault(job.job_id, "kill-worker", at_step=at, process=victim)
+# Runs of the peer-recovery scenario until one where the surviving worker survives.
+PEER_ATTEMPTS = 3
 
-    done, steps = finished(client, job.job_id)
-    reader.join(timeout=60)
-    assert done.state == pb.JOB_STATE_SUCCEEDED and done.peer_recovery
-    (recovery,) = done.recoveries
-    assert recovery.source == "peer", recovery
+
+@pytest.mark.timeout(1500)
+def test_a_slice_lost_with_a_replica_elsewhere_loses_no_step(
+    chaos_controller, chaos_client, uninterrupted
+):
+    """A worker killed while a step's collectives are in flight can take the other one
+    with it: gloo on CPU aborts the process whose peer vanished in the middle of a message
+    ("Received data size doesn't match expected size", std::terminate in its TCP loop; a
+    known bug of the simulation, in the notes). Then no replica survives and the job falls
+    back to its checkpoint, as it should; the scenario is run again, up to PEER_ATTEMPTS
+    times, for a run whose survivor lives. Whenever it lives, the job must recover from
+    it, losing no step."""
+    client = chaos_client
+    for attempt in range(1, PEER_ATTEMPTS + 1):
+        seed = int.from_bytes(os.urandom(4), "little")
+        at = random.Random(seed).randint(EVERY + 1, STEPS - 8)
+        print(f"attempt {attempt}, seed {seed}: kill-worker of process 1 once step {at} is done")
+        job = submit_lm(client, STEPS, checkpoint_every=EVERY, peer_recovery=True)
+        reader, log = step_log(client, job.job_id)
+        client.inject_fault(job.job_id, "kill-worker", at_step=at, process=1)
+        done, steps = finished(client, job.job_id)
+        reader.join(timeout=60)
+        assert done.state == pb.JOB_STATE_SUCCEEDED and done.peer_recovery
+        (recovery,) = done.recoveries
+        if recovery.source == "peer":
+            break
+        # Only the survivor's own death excuses a recovery from the checkpoint: then
+        # neither slice could give its replica, the killed one's nor the survivor's.
+        died = {
+            line.partition(": slice ")[2].partition(" ")[0]
+            for line in controller_log(chaos_controller).splitlines()
+            if f"job {job.job_id}: slice " in line
+            and "cannot give its replica" in line
+            and "died" in line
+        }
+        assert len(died) == 2, f"no peer recovery, though the survivor did not die: {recovery}"
+        print(f"the survivor died too (the gloo abort): slices {sorted(died)}")
+    else:
+        pytest.fail(f"in {PEER_ATTEMPTS} runs the surviving worker died with its peer each time")
     assert recovery.resumed_from_step == recovery.failed_at_step >= at, recovery
     assert recovery.steps_lost == 0
     # By the job's own step log: every step completed exactly once, none computed twice.

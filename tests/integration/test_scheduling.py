@@ -304,8 +304,9 @@ def test_a_higher_priority_request_preempts_a_whole_lower_priority_gang(sched_co
         assert kinds()[:2] == ["preempt", "preempted"], events
         assert 0.0 < events[0][1] <= GRACE_S  # the grace period it was given
         assert set(high.slices) >= set(low.slices)  # took the victim's slices, all of them
+        # A call returns at once; the refusal comes back on its output.
         with pytest.raises(slicewise.FailedPreconditionError, match="was preempted"):
-            double(x)
+            double(x).fetch()
         # The priority-5 gang was not the cheapest victim... it kept its slice.
         assert (
             other.compile(jax.jit(lambda a: a + 1), np.zeros(4, np.float32))(

@@ -38,7 +38,7 @@ def test_killed_worker_fails_the_gang_with_a_clear_error_and_frees_its_slices(cl
             slicewise.FailedPreconditionError,
             match=f"gang {gang.id} failed .*release it and allocate a new one",
         ):
-            inc(x)
+            inc(x).fetch()  # the call returns; its refusal comes back on its output
     finally:
         gang.release()
     with client.allocate(slices=2, slice_type="v5litepod-4", timeout=120) as again:
