@@ -501,11 +501,15 @@ class ControllerServicer(pb_grpc.ControllerServicer):
                     f"batch {batch.batch} of a call stream on gang {gang_id} names gang "
                     f"{batch.gang_id!r}; open one stream per gang"
                 )
-            gang_id = gang_id or batch.gang_id
             if not gang_id:
-                raise InvalidRequestError(
-                    "the first CallBatch of a call stream must name its gang (gang_id)"
-                )
+                if not batch.gang_id:
+                    raise InvalidRequestError(
+                        "the first CallBatch of a call stream must name its gang (gang_id)"
+                    )
+                # The caller's gang (another tenant's answers NOT_FOUND), before anything
+                # of the stream is registered.
+                self.controller.manager.resolve(batch.gang_id, usable=False)
+                gang_id = batch.gang_id
             if batch.batch <= last:
                 raise InvalidRequestError(
                     f"call-stream batch {batch.batch} after batch {last}; number batches "
@@ -534,7 +538,7 @@ class ControllerServicer(pb_grpc.ControllerServicer):
                 refused = self.controller.stream_calls(gang_id, specs) if specs else []
             except SlicewiseError as exc:  # the gang: every call of the batch is refused
                 if self.controller.gangs.get(gang_id.partition("@")[0]) is None:
-                    raise  # released or never there: the stream ends with why
+                    raise  # released: the stream ends with why
                 refused = [(k, exc) for k in range(len(specs))]
             for k, why in refused:
                 code = status_code_for(why)

@@ -121,6 +121,28 @@ def test_tenants_see_only_their_own_and_an_admin_sees_all(secured):
                 "program": lambda: stub.Execute(
                     pb.ExecuteRequest(gang_id=own.id, program_id=double.id, inputs=[])
                 ),
+                "calls": lambda: list(
+                    stub.Calls(
+                        iter(
+                            [
+                                pb.CallBatch(
+                                    gang_id=gang.id,
+                                    batch=1,
+                                    stream=f"{gang.id}/cbob",
+                                    calls=[
+                                        pb.StreamCall(
+                                            program_id=double.id,
+                                            inputs=[x.handle],
+                                            outputs=[f"{gang.id}/cbob.1"],
+                                        )
+                                    ],
+                                    deletes=[x.handle],
+                                    sync=True,
+                                )
+                            ]
+                        )
+                    )
+                ),
                 "job": lambda: stub.GetJob(pb.GetJobRequest(job_id=job.job_id)),
                 "cancel": lambda: stub.CancelJob(pb.CancelJobRequest(job_id=job.job_id)),
             }
