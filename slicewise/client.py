@@ -871,27 +871,15 @@ class CallStream:
 
     def call(self, program_id: str, inputs: Sequence[str], outputs: int) -> tuple[list[str], int]:
         """Queues a call; returns the handles of its outputs and its batch's number."""
-        return self.calls_of([(program_id, inputs)], outputs)[0]
-
-    def calls_of(
-        self, calls: Sequence[tuple[str, Sequence[str]]], outputs: int
-    ) -> list[tuple[list[str], int]]:
-        """Queues several calls to go out in one batch (an input may be an output handle
-        of an earlier one); each call has `outputs` outputs."""
         with self._cond:
             self._check_open()
             while len(self._calls) >= MAX_QUEUED_CALLS and not self._ended:
                 self._cond.wait(1.0)
-            made = []
-            for program_id, inputs in calls:
-                names = [f"{self._prefix}{next(self._names)}" for _ in range(outputs)]
-                self._calls.append(
-                    pb.StreamCall(program_id=program_id, inputs=inputs, outputs=names)
-                )
-                made.append((names, self.sent + 1))
-            self.calls += len(calls)
+            names = [f"{self._prefix}{next(self._names)}" for _ in range(outputs)]
+            self._calls.append(pb.StreamCall(program_id=program_id, inputs=inputs, outputs=names))
+            self.calls += 1
             self._cond.notify_all()
-        return made
+            return names, self.sent + 1
 
     def chain(
         self, program_id: str, inputs: Sequence[str], n: int, outputs: int
