@@ -60,3 +60,16 @@ def get(address: str, token: str, key: str) -> Pieces:
             return recv_pieces(sock, reply["pieces"])
         except OSError as exc:
             raise TransportError(f"reading {key} from {address} failed: {exc}") from exc
+
+
+def drop(address: str, token: str, key: str, expires_unix_s: int) -> None:
+    """Has the worker at `address` drop the pieces of an abandoned direct put under `key`,
+    also any that arrive later with its capability (valid until `expires_unix_s`)."""
+    with _connect(address) as sock:
+        try:
+            send_header(sock, {"op": "drop", "token": token, "key": key, "expires": expires_unix_s})
+            reply = recv_header(sock)
+        except OSError as exc:
+            raise TransportError(f"dropping {key} at {address} failed: {exc}") from exc
+    if "error" in reply:
+        raise TransportError(reply["error"])

@@ -60,7 +60,12 @@ class HostWorker:
 
         # Bound to the address Ray uses on this host, never to all interfaces.
         self.data = DataServer(
-            ray.util.get_node_ip_address(), token, self._receive, self._send, self._control
+            ray.util.get_node_ip_address(),
+            token,
+            self._receive,
+            self._send,
+            self._control,
+            on_drop=self.runtime.drop_staged,
         )
 
     def _on_done(self, op: Op, launched_ns: int, finished_ns: int, result: OpResult) -> None:
@@ -117,8 +122,8 @@ class HostWorker:
             return
         self._channel.serve(conn, hello, reply)
 
-    def _receive(self, key: str, pieces: Pieces, started_us: int) -> None:
-        self.runtime.stage(key, pieces)
+    def _receive(self, key: str, pieces: Pieces, started_us: int, expires: int) -> None:
+        self.runtime.stage(key, pieces, expires)
         self.spans.record(
             "receive pieces",
             "transfer",

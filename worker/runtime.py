@@ -7,6 +7,7 @@ import logging
 import os
 import threading
 import time
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -87,7 +88,12 @@ class JaxRuntime:
         self._meshes: dict[MeshSpec, Any] = {}
         self._programs: dict[str, _Program] = {}
         self._pins: dict[str, Any] = {}
-        self._staged: dict[str, list[tuple[Index, np.ndarray]]] = {}
+        # Pieces that arrived over the data port, by key, with the deadline of the
+        # capability a client's direct put showed (0: the controller sent them).
+        self._staged: dict[str, tuple[list[tuple[Index, np.ndarray]], int]] = {}
+        # Keys of direct puts taken (by their PutOp) or dropped (abandoned), until their
+        # capability expires: the capability may not stage anything under them again.
+        self._closed: OrderedDict[str, int] = OrderedDict()
         self._staged_lock = threading.Lock()
         self._configs: dict[tuple[str, tuple[tuple[str, str], ...]], Any] = {}
         self._devices: list[Any] = []
@@ -376,16 +382,34 @@ class JaxRuntime:
         if checkpointer is not None:
             checkpointer.close(timeout=op.timeout_s)
 
-    def stage(self, key: str, pieces: list[tuple[Index, np.ndarray]]) -> None:
-        """Keeps pieces that arrived over the data port until their PutOp comes."""
+    def stage(self, key: str, pieces: list[tuple[Index, np.ndarray]], expires: int = 0) -> None:
+        """Keeps pieces that arrived over the data port until their PutOp comes;
+        `expires`: the deadline of the capability of a client's direct put.
+
+        Raises:
+            KeyError: that direct put was taken or dropped already.
+        """
         with self._staged_lock:
-            self._staged[key] = pieces
+            while self._closed and next(iter(self._closed.values())) <= time.time():
+                self._closed.popitem(last=False)
+            if expires and key in self._closed:
+                raise KeyError(f"the direct put {key} has ended (finished or abandoned)")
+            self._staged[key] = (pieces, expires)
+
+    def drop_staged(self, key: str, expires: int) -> None:
+        """Drops the pieces of an abandoned direct put, now and when they arrive later
+        (until its capability, valid until `expires`, has expired)."""
+        with self._staged_lock:
+            self._staged.pop(key, None)
+            self._closed[key] = expires
 
     def _put(self, op: PutOp) -> None:
         import jax
 
         with self._staged_lock:
-            staged = self._staged.pop(op.staged_key, None)
+            staged, expires = self._staged.pop(op.staged_key, (None, 0))
+            if expires:
+                self._closed[op.staged_key] = expires
         if staged is None:
             raise RuntimeError(f"the pieces of {op.handle} never arrived on this worker")
         sharding = self.named_sharding(op.sharding)

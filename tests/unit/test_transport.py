@@ -1,15 +1,17 @@
 """The worker's data port over real loopback sockets: puts and gets only for a peer that
-shows the gang's token, headers of bounded size, and the port still serving after a
-stranger tried."""
+shows the gang's token (or a capability for exactly that put or get), headers of bounded
+size, and the port still serving after a stranger tried."""
 
 from __future__ import annotations
 
 import socket
+import time
 
 import numpy as np
 import pytest
 
 from controller import datalink
+from slicewise.common import capability
 from slicewise.common.framing import (
     LENGTH,
     MAX_HEADER_BYTES,
@@ -29,11 +31,22 @@ class Store:
 
     def __init__(self):
         self.stored = {}
-        self.server = DataServer("127.0.0.1", TOKEN, self.put, self.get, self.control)
+        self.server = DataServer(
+            "127.0.0.1", TOKEN, self.put, self.get, self.control, on_drop=self.drop
+        )
         self.controls = 0
+        self.expires = {}
+        self.dropped = []
+        self.refuse = ""
 
-    def put(self, key, pieces, started_us):
+    def put(self, key, pieces, started_us, expires):
+        if self.refuse:
+            raise KeyError(self.refuse)
         self.stored[key] = pieces
+        self.expires[key] = expires
+
+    def drop(self, key, expires):
+        self.dropped.append((key, expires))
 
     def get(self, key):
         return self.stored[key]
@@ -99,3 +112,73 @@ def test_a_header_longer_than_allowed_is_dropped_unread_and_the_port_serves_on(s
 def test_a_data_server_without_a_token_cannot_be_made():
     with pytest.raises(ValueError, match="needs a token"):
         DataServer("127.0.0.1", "", lambda *a: None, lambda k: [], None)
+
+
+# -- capabilities: a client's direct put or get -------------------------------------------
+
+LATER = int(time.time()) + 600
+
+
+def test_a_get_capability_reads_its_key_once_and_nothing_else(store):
+    datalink.put(store.server.address, TOKEN, "a", [PIECE])
+    datalink.put(store.server.address, TOKEN, "b", [PIECE])
+    shown = capability.issue(TOKEN, "get", "a", LATER)
+    for header in (
+        {"op": "get", "capability": shown, "key": "b"},  # another key
+        {"op": "put", "capability": shown, "key": "a", "pieces": [piece_meta(*PIECE)]},
+        {"op": "control", "capability": shown, "key": "a", "epoch": 1},
+        {"op": "drop", "capability": shown, "key": "a", "expires": LATER},
+    ):
+        arrays = [PIECE[1] + 1] if header["op"] == "put" else []
+        reply = ask(store.server.address, header, arrays)
+        assert "wrong capability" in reply["error"], header
+        assert "pieces" not in reply
+    assert store.controls == 0
+    np.testing.assert_array_equal(store.stored["a"][0][1], PIECE[1])
+    reply = ask(store.server.address, {"op": "get", "capability": shown, "key": "a"})
+    assert reply["pieces"] == [piece_meta(*PIECE)]
+
+
+def test_a_put_capability_stages_exactly_its_bytes_with_its_deadline(store):
+    nbytes = PIECE[1].nbytes
+    shown = capability.issue(TOKEN, "put", "k", LATER, nbytes)
+    bigger = (PIECE[0], np.zeros((2, 4), np.float32))
+    reply = ask(
+        store.server.address,
+        {"op": "put", "capability": shown, "key": "k", "pieces": [piece_meta(*bigger)]},
+        [bigger[1]],
+    )
+    assert "not of the 24 bytes" in reply["error"]
+    assert store.stored == {}
+    header = {"op": "put", "capability": shown, "key": "k", "pieces": [piece_meta(*PIECE)]}
+    assert ask(store.server.address, header, [PIECE[1]]) == {"ok": True}
+    assert store.expires["k"] == LATER
+    np.testing.assert_array_equal(store.stored["k"][0][1], PIECE[1])
+    # The controller's own puts carry no deadline.
+    datalink.put(store.server.address, TOKEN, "c", [PIECE])
+    assert store.expires["c"] == 0
+
+
+def test_an_expired_or_foreign_capability_is_refused(store):
+    expired = capability.issue(TOKEN, "get", "k", int(time.time()) - 1)
+    foreign = capability.issue("another gang's token", "get", "k", LATER)
+    datalink.put(store.server.address, TOKEN, "k", [PIECE])
+    for shown in (expired, foreign, "", None, 7):
+        reply = ask(store.server.address, {"op": "get", "capability": shown, "key": "k"})
+        assert "wrong capability" in reply["error"] or "wrong or missing token" in reply["error"]
+
+
+def test_a_refused_put_is_answered_with_its_reason(store):
+    store.refuse = "the direct put k has ended"
+    shown = capability.issue(TOKEN, "put", "k", LATER, PIECE[1].nbytes)
+    header = {"op": "put", "capability": shown, "key": "k", "pieces": [piece_meta(*PIECE)]}
+    reply = ask(store.server.address, header, [PIECE[1]])
+    assert "has ended" in reply["error"]
+
+
+def test_only_the_controller_may_drop_staged_pieces(store):
+    datalink.drop(store.server.address, TOKEN, "k", LATER)
+    assert store.dropped == [("k", LATER)]
+    with pytest.raises(TransportError, match="wrong or missing token"):
+        datalink.drop(store.server.address, "wrong", "k", LATER)
+    assert store.dropped == [("k", LATER)]
