@@ -15,6 +15,7 @@ Both links prefix each message with its length (8 bytes, network order):
 from __future__ import annotations
 
 import json
+import math
 import socket
 import struct
 from collections.abc import Sequence
@@ -41,6 +42,11 @@ MAX_HEADER_BYTES = 16 * 2**20
 
 # An array's pieces as one host holds them: (index into the global array, data).
 Pieces = list[tuple[Index, np.ndarray]]
+
+# Received pieces start at an address that is a multiple of this: XLA's CPU client then
+# takes them as they are (jax.device_put aliases an aligned host buffer), where an
+# unaligned one is copied (0.3 s for 128 MiB here; numpy aligns to 16 bytes only).
+ALIGNMENT = 64
 
 
 class TransportError(ConnectionError):
@@ -103,11 +109,26 @@ def recv_pieces(sock: socket.socket, metas: list[dict[str, Any]]) -> Pieces:
     """Receives the bytes of the pieces a header described, each into its own array."""
     pieces = []
     for meta in metas:
-        array = np.empty(meta["shape"], dtype=dtype_of(meta["dtype"]))
+        array = aligned_empty(meta["shape"], dtype_of(meta["dtype"]))
         if array.nbytes:
             recv_into(sock, array.reshape(-1).view(np.uint8).data)
         pieces.append((tuple(slice(a, b) for a, b in meta["index"]), array))
     return pieces
+
+
+def aligned_empty(shape: Sequence[int], dtype: np.dtype) -> np.ndarray:
+    """An uninitialized array whose data starts at a multiple of ALIGNMENT.
+
+    Raises:
+        ValueError: a negative dimension.
+    """
+    shape = tuple(int(n) for n in shape)
+    if any(n < 0 for n in shape):
+        raise ValueError(f"negative dimensions are not allowed: {list(shape)}")
+    nbytes = math.prod(shape) * dtype.itemsize
+    raw = np.empty(nbytes + ALIGNMENT, dtype=np.uint8)
+    start = -raw.ctypes.data % ALIGNMENT
+    return raw[start : start + nbytes].view(dtype).reshape(shape)
 
 
 # -- the control channel ---------------------------------------------------------------

@@ -13,6 +13,7 @@ import pytest
 from controller import datalink
 from slicewise.common import capability
 from slicewise.common.framing import (
+    ALIGNMENT,
     LENGTH,
     MAX_HEADER_BYTES,
     TransportError,
@@ -182,3 +183,11 @@ def test_only_the_controller_may_drop_staged_pieces(store):
     with pytest.raises(TransportError, match="wrong or missing token"):
         datalink.drop(store.server.address, "wrong", "k", LATER)
     assert store.dropped == [("k", LATER)]
+
+
+def test_received_pieces_are_aligned_for_xla_to_take_without_a_copy(store):
+    odd = ((slice(0, 3),), np.arange(3, dtype=np.int8))
+    datalink.put(store.server.address, TOKEN, "k", [odd, PIECE, odd])
+    for (_, sent), (_, got) in zip([odd, PIECE, odd], store.stored["k"], strict=True):
+        assert got.ctypes.data % ALIGNMENT == 0
+        np.testing.assert_array_equal(got, sent)
