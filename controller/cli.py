@@ -37,6 +37,7 @@ def _controller(args: argparse.Namespace) -> int:
                 worker_window=args.window,
                 preemption_grace_s=args.preemption_grace,
                 heartbeat_timeout_s=args.heartbeat_timeout,
+                direct_transfer_ttl_s=args.direct_transfer_ttl,
                 step_timeout_s=args.step_timeout,
                 allow_chaos=args.allow_chaos,
                 compilation_cache_dir=args.compilation_cache,
@@ -395,6 +396,15 @@ def build_parser() -> argparse.ArgumentParser:
         default=30.0,
         metavar="SECONDS",
         help="time a preempted gang's holder gets to save its work (default %(default)s)",
+    )
+    p.add_argument(
+        "--direct-transfer-ttl",
+        type=float,
+        default=300.0,
+        metavar="SECONDS",
+        help="how long a client's direct put or fetch (straight to or from the workers) "
+        "may take before its capabilities expire and what it left on the workers is "
+        "dropped (default %(default)s)",
     )
     p.add_argument(
         "--heartbeat-timeout",

@@ -45,7 +45,7 @@ from slicewise.common.errors import (
     WorkerError,
 )
 from slicewise.common.framing import TransportError
-from slicewise.common.mesh import MeshSpec, ShardingSpec
+from slicewise.common.mesh import MeshSpec, ShardingSpec, index_key
 from slicewise.common.ops import (
     BatchOp,
     CloseCheckpointsOp,
@@ -84,7 +84,34 @@ class PutTarget:
     client: str  # the attachment that uploads (shared gangs)
     spec: ArraySpec
     sharding: ShardingSpec
-    buffer: np.ndarray  # uint8, spec.nbytes long
+    buffer: np.ndarray  # uint8, spec.nbytes long (empty for a direct put)
+
+
+@dataclass(frozen=True)
+class HostPlan:
+    """One host's part in a direct transfer: where, with what right, which pieces."""
+
+    process_id: int
+    address: str
+    capability: str
+    pieces: tuple[tuple[tuple[int, int], ...], ...]  # a put's: (start, stop) per dimension
+
+
+@dataclass
+class DirectTransfer:
+    """A direct put or fetch the controller authorized: its client moves the bytes
+    to or from the workers itself, until it finishes or its capabilities expire."""
+
+    transfer_id: str  # also the key of its pieces (put) or pin (fetch) on the workers
+    op: str  # "put" or "get"
+    gang: Gang
+    epoch: int  # the gang's, when it began: a gang started again lost what it staged
+    expires_unix_s: int
+    hosts: list[HostPlan]
+    target: PutTarget | None = None  # a put's
+    record: ArrayRecord | None = None  # a fetch's
+    began: float = 0.0  # time.perf_counter()
+    timer: asyncio.TimerHandle | None = None
 
 
 class Controller:
@@ -131,6 +158,9 @@ class Controller:
         self._streams: dict[str, StreamProgress] = {}
         self._gauges: asyncio.Task[None] | None = None
         self._unpinning: set[asyncio.Task[None]] = set()  # see _unpin
+        # Direct puts and fetches under way, by transfer id (see begin_direct_put).
+        self._transfers: dict[str, DirectTransfer] = {}
+        self._cleanups: set[asyncio.Task[None]] = set()
         self._journalled: set[str] = set()
 
     @property
@@ -515,6 +545,25 @@ class Controller:
             CapacityError: each chip's piece of the array would not fit in a chip's HBM,
                 or the controller cannot hold the whole array to split it.
         """
+        gang, client = self._check_put(gang_id, spec, sharding)
+        try:
+            buffer = np.empty(spec.nbytes, dtype=np.uint8)
+        except MemoryError:
+            raise CapacityError(
+                f"the controller cannot hold a {spec} array ({_size(spec.nbytes)}) in memory "
+                "to split it over the gang; upload it as smaller arrays"
+            ) from None
+        return PutTarget(gang, client, spec, sharding, buffer)
+
+    def _check_put(self, gang_id: str, spec: ArraySpec, sharding: ShardingSpec) -> tuple[Gang, str]:
+        """The gang (and attachment) an upload goes to, if it may.
+
+        Raises:
+            NotFoundError, FailedPreconditionError: no usable gang `gang_id`.
+            InvalidRequestError: the sharding does not fit the gang or the array.
+            CapacityError: each chip's piece of the array would not fit in a chip's HBM,
+                or the upload would take the tenant past its cap on bytes.
+        """
         gang, client = self.manager.resolve(gang_id)
         sharding.mesh.check_fits(gang.shape)
         sharding.check(spec.shape)
@@ -530,14 +579,7 @@ class Controller:
                 "or upload it as smaller arrays"
             )
         self._check_bytes_cap(gang, spec)
-        try:
-            buffer = np.empty(spec.nbytes, dtype=np.uint8)
-        except MemoryError:
-            raise CapacityError(
-                f"the controller cannot hold a {spec} array ({_size(spec.nbytes)}) in memory "
-                "to split it over the gang; upload it as smaller arrays"
-            ) from None
-        return PutTarget(gang, client, spec, sharding, buffer)
+        return gang, client
 
     def _check_bytes_cap(self, gang: Gang, spec: ArraySpec) -> None:
         """Raises CapacityError if the upload would take the gang's tenant past its cap on
@@ -624,6 +666,183 @@ class Controller:
         target = self.begin_put(gang_id, ArraySpec.of(array.shape, array.dtype), sharding)
         target.buffer[:] = array.reshape(-1).view(np.uint8)
         return await self.finish_put(target)
+
+    # -- direct transfers -----------------------------------------------------------
+
+    def begin_direct_put(
+        self, gang_id: str, spec: ArraySpec, sharding: ShardingSpec
+    ) -> DirectTransfer:
+        """Validates an upload like `begin_put`, then authorizes its client to send each
+        host its pieces itself (see slicewise/common/capability.py) until the transfer
+        expires; `finish_direct_put` then makes the array. Pieces of a put not finished
+        by then are dropped from the workers.
+
+        Raises:
+            as `_check_put`.
+        """
+        gang, client = self._check_put(gang_id, spec, sharding)
+        key = uuid.uuid4().hex
+        expires = self._expiry()
+        itemsize = dtype_of(spec.dtype).itemsize
+        hosts = []
+        indices = sharding.process_pieces(spec.shape, gang.shape)
+        for p in range(gang.shape.num_processes):
+            pieces = tuple(index_key(i, spec.shape) for i in indices[p])
+            nbytes = sum(math.prod(b - a for a, b in piece) * itemsize for piece in pieces)
+            capability = gang.capability("put", key, expires, nbytes)
+            hosts.append(HostPlan(p, gang.data_addresses[p], capability, pieces))
+        target = PutTarget(gang, client, spec, sharding, np.empty(0, np.uint8))
+        transfer = DirectTransfer(key, "put", gang, gang.epoch, expires, hosts, target=target)
+        return self._authorized(transfer)
+
+    def finish_direct_put(self, transfer_id: str) -> ArrayRecord:
+        """Queues the array made of the pieces a direct put's client has sent.
+
+        Raises:
+            NotFoundError: no direct put `transfer_id` is under way (unknown, another
+                tenant's, finished, abandoned or expired).
+            FailedPreconditionError: its gang stopped or started again meanwhile (its
+                pieces went with the workers).
+        """
+        transfer = self._end_transfer(transfer_id, "put")
+        gang, target = transfer.gang, transfer.target
+        assert target is not None
+        try:
+            self.manager.check_usable(gang)
+            if gang.epoch != transfer.epoch:
+                raise FailedPreconditionError(
+                    f"gang {gang.gang_id} started again on new workers since direct put "
+                    f"{transfer_id} began; its pieces are gone: put the array again"
+                )
+        except FailedPreconditionError:
+            self._clean_up(transfer)
+            raise
+        metrics.BYTES.labels("put").inc(target.spec.nbytes)
+        # From the authorization to the finish: the client sent the pieces meanwhile.
+        self._record_transfer("client sends pieces", gang, transfer.began, target.spec.nbytes)
+        return self._queue_put(target, transfer_id)
+
+    async def begin_direct_fetch(self, handle: str, timeout_s: float = 0) -> DirectTransfer:
+        """Waits for an array like `fetch` and pins it on its workers, then authorizes
+        the client to read each host's pieces itself, once, until the transfer expires;
+        an array whose pieces are not read by then is unpinned.
+
+        Raises:
+            as `fetch`.
+        """
+        timeout_s = timeout_s or self.options.fetch_timeout_s
+        record = self.arrays.get(handle)
+        gang = self.get_gang(record.gang_id)
+        record.require_usable()
+        pin_id = uuid.uuid4().hex
+        started = time.perf_counter()
+        ticket = self._submit(gang, "", lambda seq: PinOp(seq, handle, pin_id), needs=[record])
+        try:
+            error = await asyncio.wait_for(asyncio.shield(ticket.done), timeout_s)
+        except TimeoutError:
+            self._unpin(gang, ticket, pin_id)
+            raise DeadlineError(
+                f"array {handle} was not ready within {timeout_s:g} s; fetch again with a "
+                "longer timeout"
+            ) from None
+        except asyncio.CancelledError:  # the client went away
+            self._unpin(gang, ticket, pin_id)
+            raise
+        if error:
+            raise FailedPreconditionError(f"array {handle} is unavailable: {error}")
+        expires = self._expiry()
+        hosts = [
+            HostPlan(p, address, gang.capability("get", pin_id, expires), ())
+            for p, address in enumerate(gang.data_addresses)
+        ]
+        metrics.BYTES.labels("fetch").inc(record.spec.nbytes)
+        self._record_transfer("pin for the client", gang, started, record.spec.nbytes)
+        transfer = DirectTransfer(pin_id, "get", gang, gang.epoch, expires, hosts, record=record)
+        return self._authorized(transfer)
+
+    def abandon_direct(self, transfer_id: str) -> None:
+        """Ends a direct transfer its client gives up on: its staged pieces or its pin
+        leave the workers now.
+
+        Raises:
+            NotFoundError: no direct transfer `transfer_id` is under way.
+        """
+        self._clean_up(self._end_transfer(transfer_id))
+
+    def _expiry(self) -> int:
+        return math.ceil(time.time() + self.options.direct_transfer_ttl_s)
+
+    def _authorized(self, transfer: DirectTransfer) -> DirectTransfer:
+        """Registers a transfer and schedules its clean-up at its expiry."""
+        transfer.began = time.perf_counter()
+        self._transfers[transfer.transfer_id] = transfer
+        # Up to a second before the capabilities (whole seconds) expire: pieces a client
+        # still sends until then are dropped as they arrive (see JaxRuntime.stage).
+        transfer.timer = asyncio.get_running_loop().call_later(
+            self.options.direct_transfer_ttl_s, self._expire, transfer.transfer_id
+        )
+        return transfer
+
+    def _end_transfer(self, transfer_id: str, op: str = "") -> DirectTransfer:
+        """Takes a transfer under way off the table (and its expiry off the clock).
+
+        Raises:
+            NotFoundError: none is, of that op, that the caller may see.
+        """
+        transfer = self._transfers.get(transfer_id)
+        if (
+            transfer is None
+            or (op and transfer.op != op)
+            or not self.manager.visible(transfer.gang.gang_id)
+        ):
+            what = {"put": "direct put", "get": "direct fetch"}.get(op, "direct transfer")
+            raise NotFoundError(
+                f"no {what} {transfer_id!r} is under way: unknown, finished, abandoned or "
+                f"expired (they expire {self.options.direct_transfer_ttl_s:g} s after they "
+                "begin)"
+            )
+        del self._transfers[transfer_id]
+        if transfer.timer is not None:
+            transfer.timer.cancel()
+        return transfer
+
+    def _expire(self, transfer_id: str) -> None:
+        transfer = self._transfers.pop(transfer_id, None)
+        if transfer is None:
+            return
+        # A fetch has no finish: its pins are dropped whether or not they were read (a
+        # read one is gone already), which is routine; an unfinished put is not.
+        level = logging.INFO if transfer.op == "put" else logging.DEBUG
+        log.log(level, "direct %s %s expired: cleaning up", transfer.op, transfer_id)
+        self._clean_up(transfer)
+
+    def _clean_up(self, transfer: DirectTransfer) -> None:
+        """Drops what an unfinished transfer left on its workers (nothing is left on a
+        gang that stopped or started again: its workers took it with them)."""
+        gang, key = transfer.gang, transfer.transfer_id
+
+        async def clean_up() -> None:
+            if not gang.state.usable or gang.epoch != transfer.epoch:
+                return
+            if transfer.op == "put":
+                await gang.drop_staged(key, transfer.expires_unix_s)
+            else:
+                await gang.drop_pin(key)
+
+        task = asyncio.create_task(clean_up(), name=f"clean up {key}")
+        self._cleanups.add(task)
+        task.add_done_callback(self._cleanups.discard)
+
+    def _record_transfer(self, name: str, gang: Gang, began: float, nbytes: int) -> None:
+        self.spans.record(
+            name,
+            "transfer",
+            started_us(began),
+            trace_now_us(),
+            thread=f"gang {gang.gang_id}",
+            gang=gang.gang_id,
+            bytes=nbytes,
+        )
 
     def load_batch(
         self,

@@ -36,6 +36,7 @@ from controller.health import WATCH_PERIOD_S, HostReport, diagnose
 from controller.hostenv import HostPlacement, simulated_host_env, tpu_host_env
 from controller.inventory import Slice
 from controller.options import DEFAULT_OPTIONS, ControllerOptions
+from slicewise.common import capability
 from slicewise.common.errors import InvalidTransitionError, WorkerError
 from slicewise.common.failpoints import failpoint, worker_env
 from slicewise.common.framing import ChannelError, Pieces
@@ -499,6 +500,22 @@ class Gang:
                     for address in self.data_addresses
                 )
             )
+        )
+
+    def capability(self, op: str, key: str, expires_unix_s: int, nbytes: int = 0) -> str:
+        """A client's right to `op` ("put" or "get") `key` at this gang's data ports
+        until `expires_unix_s` (slicewise/common/capability.py)."""
+        return capability.issue(self._token, op, key, expires_unix_s, nbytes)
+
+    async def drop_staged(self, key: str, expires_unix_s: int) -> None:
+        """Drops the pieces of an abandoned direct put from every worker (also those
+        still on their way); workers that do not answer are skipped."""
+        await asyncio.gather(
+            *(
+                asyncio.to_thread(datalink.drop, address, self._token, key, expires_unix_s)
+                for address in self.data_addresses
+            ),
+            return_exceptions=True,
         )
 
     async def drop_pin(self, pin_id: str) -> None:

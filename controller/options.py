@@ -34,6 +34,9 @@ class ControllerOptions:
             instead of compiling them again (seconds of a recovery on CPU; minutes for
             a large model on TPU). A filesystem path on every host (each worker keeps its
             own executables there, see worker/executables.py).
+        direct_transfer_ttl_s: how long a client's direct put or fetch (one hop between
+            client and workers) may take: its capabilities expire then, and what it left
+            unfinished on the workers (staged pieces, a pin) is dropped.
         data_roots: the directories jobs may read data from (controller/dataroots.py);
             () allows only the "stdlib" corpus, None every path (--insecure-local).
     """
@@ -52,6 +55,7 @@ class ControllerOptions:
     step_timeout_s: float = 20.0
     allow_chaos: bool = False
     compilation_cache_dir: str = ""
+    direct_transfer_ttl_s: float = 300.0
     data_roots: tuple[str, ...] | None = None
 
     def __post_init__(self) -> None:
@@ -83,6 +87,7 @@ _DURATIONS = (
     "fetch_timeout_s",
     "heartbeat_timeout_s",
     "step_timeout_s",
+    "direct_transfer_ttl_s",
 )
 
 

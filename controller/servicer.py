@@ -22,7 +22,7 @@ import numpy as np
 
 from controller import messages, metrics
 from controller.auth import current_identity, may_see
-from controller.core import VERSION, Controller, StreamProgress
+from controller.core import VERSION, Controller, DirectTransfer, StreamProgress
 from controller.gang import Gang, worker_name
 from controller.job import (
     DEFAULT_CHECKPOINT_EVERY,
@@ -199,6 +199,26 @@ def _holding(kind: str) -> Iterator[Callable[[int], None]]:
         yield hold
     finally:
         gauge.dec(held)
+
+
+def _transfer_to_pb(transfer: DirectTransfer) -> pb.DirectTransfer:
+    return pb.DirectTransfer(
+        transfer_id=transfer.transfer_id,
+        expires_unix_s=transfer.expires_unix_s,
+        hosts=[
+            pb.HostTransfer(
+                process_id=h.process_id,
+                data_address=h.address,
+                capability=h.capability,
+                pieces=[
+                    pb.PieceIndex(ranges=[pb.IndexRange(start=a, stop=b) for a, b in piece])
+                    for piece in h.pieces
+                ],
+            )
+            for h in transfer.hosts
+        ],
+        array=messages.array_to_pb(transfer.record) if transfer.record else None,
+    )
 
 
 def gang_to_pb(gang: Gang, gang_id: str) -> pb.GangInfo:
@@ -579,6 +599,42 @@ class ControllerServicer(pb_grpc.ControllerServicer):
                 yield pb.FetchChunk(data=bytes(piece))
 
     @_unary
+    async def BeginDirectPut(
+        self, request: pb.BeginDirectPutRequest, context: Any
+    ) -> pb.DirectTransfer:
+        transfer = self.controller.begin_direct_put(
+            request.gang_id,
+            wire.spec_from_pb(request.spec),
+            wire.sharding_from_pb(request.sharding),
+        )
+        return _transfer_to_pb(transfer)
+
+    @_unary
+    async def FinishDirectPut(
+        self, request: pb.FinishDirectPutRequest, context: Any
+    ) -> pb.ArrayInfo:
+        return messages.array_to_pb(self.controller.finish_direct_put(request.transfer_id))
+
+    @_unary
+    async def BeginDirectFetch(
+        self, request: pb.BeginDirectFetchRequest, context: Any
+    ) -> pb.DirectTransfer:
+        timeout_s = check_seconds(
+            "BeginDirectFetchRequest.timeout_s",
+            request.timeout_s,
+            "0 means the controller's default",
+        )
+        await self.controller.after_stream([request.handle], request.after_batch, timeout_s)
+        return _transfer_to_pb(await self.controller.begin_direct_fetch(request.handle, timeout_s))
+
+    @_unary
+    async def AbandonDirectTransfer(
+        self, request: pb.AbandonDirectTransferRequest, context: Any
+    ) -> pb.AbandonDirectTransferResponse:
+        self.controller.abandon_direct(request.transfer_id)
+        return pb.AbandonDirectTransferResponse()
+
+    @_unary
     async def WaitArrays(
         self, request: pb.WaitArraysRequest, context: Any
     ) -> pb.WaitArraysResponse:
@@ -620,6 +676,7 @@ class ControllerServicer(pb_grpc.ControllerServicer):
                     window=s["window"],
                     pins=s["pins"],
                     data_address=gang.data_addresses[s["process_id"]],
+                    staged=s["staged"],
                 )
                 for s in stats
             ],

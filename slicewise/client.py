@@ -8,6 +8,11 @@
         y = step(x)                             # returns at once
         print(y.fetch())
 
+Array bytes go straight between the client and the gang's hosts by default (a direct
+put or fetch, authorized by the controller per transfer: slicewise/common/direct.py);
+`connect(..., direct_data=False)` or SLICEWISE_DIRECT_DATA=0 sends them through the
+controller instead, as does a client that cannot reach a host's data port.
+
 Errors from the controller arrive as the exception classes of `slicewise.common.errors`
 (InvalidRequestError, NotFoundError, ...), each with the gRPC status as `.code`.
 
@@ -20,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import logging
 import math
 import os
 import secrets
@@ -37,7 +43,7 @@ import numpy as np
 from protos import controller_pb2 as pb
 from protos import controller_pb2_grpc as pb_grpc
 from slicewise import wire
-from slicewise.common import auth
+from slicewise.common import auth, direct
 from slicewise.common.arrays import ArraySpec, dtype_of
 from slicewise.common.errors import (
     CapacityError,
@@ -49,7 +55,10 @@ from slicewise.common.errors import (
     SlicewiseError,
     WorkerError,
 )
+from slicewise.common.framing import TransportError
 from slicewise.common.mesh import MeshSpec, ShardingSpec
+
+log = logging.getLogger(__name__)
 
 _ERRORS: dict[grpc.StatusCode, type[SlicewiseError]] = {
     grpc.StatusCode.INVALID_ARGUMENT: InvalidRequestError,
@@ -67,6 +76,11 @@ _RECONNECT_BACKOFF_MS = 2000
 # queued, or this many bytes (and always on `flush_deletes`).
 DELETE_BATCH = 256
 DELETE_BATCH_BYTES = 256 << 20
+
+# Arrays of at least this many bytes go straight between the client and the hosts
+# (smaller ones take one round trip through the controller, which is quicker for them).
+DIRECT_MIN_BYTES = 1 << 20
+DIRECT_ENV = "SLICEWISE_DIRECT_DATA"
 
 
 def _tls_credentials(
@@ -165,7 +179,7 @@ def _call(fn: Any, *args: Any, **kwargs: Any) -> Any:
 
 def connect(address: str, **options: Any) -> Client:
     """Connects to a controller at `host:port` and checks that it answers; `options` are
-    `Client`'s (name, timeout, token, TLS files)."""
+    `Client`'s (name, timeout, token, TLS files, direct_data)."""
     return Client(address, **options)
 
 
@@ -176,6 +190,8 @@ class Client:
     started with --insecure-local). For a controller serving TLS, `tls_ca` is the CA bundle
     that signed its certificate, and for mutual TLS `tls_cert`/`tls_key` this client's own
     (PEM files; defaults: $SLICEWISE_TLS_CA, $SLICEWISE_TLS_CERT, $SLICEWISE_TLS_KEY).
+    `direct_data`: put and fetch large arrays straight to and from the hosts (default:
+    unless $SLICEWISE_DIRECT_DATA is 0); False sends every byte through the controller.
     """
 
     def __init__(
@@ -188,9 +204,13 @@ class Client:
         tls_ca: str | None = None,
         tls_cert: str | None = None,
         tls_key: str | None = None,
+        direct_data: bool | None = None,
     ) -> None:
         self.address = address
         self.name = name
+        if direct_data is None:
+            direct_data = os.environ.get(DIRECT_ENV, "1").strip() != "0"
+        self.direct_data = direct_data
         # Retry a lost connection every few seconds at most (gRPC's default backoff grows
         # to two minutes), so that a client notices a restarted controller soon.
         options = [("grpc.max_reconnect_backoff_ms", _RECONNECT_BACKOFF_MS)]
@@ -496,6 +516,8 @@ class Gang:
         self._meshes: list[Mesh] = []
         self._drops = DropQueue()
         self._stream: CallStream | None = None
+        # Whether transfers go straight to the hosts: until one is found unreachable.
+        self.direct_data = client.direct_data
 
     @property
     def chips_per_slice(self) -> int:
@@ -625,8 +647,12 @@ class Gang:
         array = np.require(array, requirements="C")  # keeps 0-d arrays 0-d
         spec = ArraySpec.of(array.shape, array.dtype)
         sharding_spec = self._sharding_spec(sharding, array.ndim)
-        data = memoryview(array.reshape(-1).view(np.uint8))
         self._flush_due()
+        if self._goes_direct(spec.nbytes):
+            info = self._put_direct(array, spec, sharding_spec)
+            if info is not None:
+                return RemoteArray.from_pb(self, info, sharding_spec)
+        data = memoryview(array.reshape(-1).view(np.uint8))
 
         def messages() -> Iterator[pb.PutChunk]:
             yield pb.PutChunk(
@@ -641,6 +667,65 @@ class Gang:
 
         info = _call(self.client.stub.PutArray, messages())
         return RemoteArray.from_pb(self, info, sharding_spec)
+
+    def _goes_direct(self, nbytes: int) -> bool:
+        return self.direct_data and nbytes >= DIRECT_MIN_BYTES
+
+    def _put_direct(
+        self, array: np.ndarray, spec: ArraySpec, sharding: ShardingSpec
+    ) -> pb.ArrayInfo | None:
+        """Puts the array straight to the hosts; None if they cannot be reached from
+        here (the caller then puts it through the controller)."""
+        request = pb.BeginDirectPutRequest(
+            gang_id=self.id, spec=wire.spec_to_pb(spec), sharding=wire.sharding_to_pb(sharding)
+        )
+        transfer = _call(self.client.stub.BeginDirectPut, request, timeout=60)
+        hosts = [
+            direct.HostPart(
+                h.data_address,
+                h.capability,
+                tuple(tuple(slice(r.start, r.stop) for r in p.ranges) for p in h.pieces),
+            )
+            for h in transfer.hosts
+        ]
+        if not self._direct_transfer(transfer, direct.put, transfer.transfer_id, array, hosts):
+            return None
+        finish = pb.FinishDirectPutRequest(transfer_id=transfer.transfer_id)
+        return _call(self.client.stub.FinishDirectPut, finish, timeout=60)
+
+    def _direct_transfer(self, transfer: pb.DirectTransfer, move: Any, *args: Any) -> bool:
+        """Runs `move(*args)` for a direct transfer; False (abandoning the transfer) when
+        a host cannot be reached from here: this gang's transfers go through the
+        controller from now on.
+
+        Raises:
+            WorkerError: a host refused, or a connection broke mid-way.
+        """
+        try:
+            move(*args)
+            return True
+        except direct.UnreachableError as exc:
+            self._abandon(transfer)
+            if self.direct_data:
+                self.direct_data = False
+                log.warning(
+                    "gang %s: %s; its puts and fetches go through the controller instead",
+                    self.id,
+                    exc,
+                )
+            return False
+        except TransportError as exc:
+            self._abandon(transfer)
+            raise WorkerError(
+                f"direct transfer {transfer.transfer_id} on gang {self.id} failed: {exc}"
+            ) from None
+
+    def _abandon(self, transfer: pb.DirectTransfer) -> None:
+        """Has the controller drop what a transfer left on the hosts now (it would at
+        the transfer's expiry anyway, so a failure here changes nothing)."""
+        request = pb.AbandonDirectTransferRequest(transfer_id=transfer.transfer_id)
+        with contextlib.suppress(grpc.RpcError):
+            self.client.stub.AbandonDirectTransfer(request, timeout=30)
 
     # -- programs -------------------------------------------------------------------
 
@@ -1212,6 +1297,10 @@ class RemoteArray:
     def fetch(self, timeout: float = 600.0) -> np.ndarray:
         """Downloads the whole array as numpy (waits for it to be computed)."""
         after = self.gang._after([self])
+        if self.gang._goes_direct(self.spec.nbytes):
+            result = self._fetch_direct(timeout, after)
+            if result is not None:
+                return result
         out = np.empty(self.spec.nbytes, dtype=np.uint8)
         offset = 0
         request = pb.FetchArrayRequest(handle=self.handle, timeout_s=timeout, after_batch=after)
@@ -1226,6 +1315,25 @@ class RemoteArray:
         if offset != out.size:
             raise WorkerError(f"fetch of {self.handle} ended after {offset} of {out.size} bytes")
         return out.view(self.dtype).reshape(self.shape)
+
+    def _fetch_direct(self, timeout: float, after: int) -> np.ndarray | None:
+        """Reads the array straight from the hosts; None if they cannot be reached from
+        here (the caller then fetches it through the controller)."""
+        request = pb.BeginDirectFetchRequest(
+            handle=self.handle, timeout_s=timeout, after_batch=after
+        )
+        try:
+            transfer = self.gang.client.stub.BeginDirectFetch(request, timeout=timeout + 60)
+        except grpc.RpcError as err:
+            self.gang._refusal(self, err)
+            _raise_from(err)
+        out = np.empty(self.shape, self.dtype)
+        hosts = [direct.HostPart(h.data_address, h.capability) for h in transfer.hosts]
+        if not self.gang._direct_transfer(
+            transfer, direct.fetch_into, transfer.transfer_id, out, hosts
+        ):
+            return None
+        return out
 
     def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
         result = self.fetch()
