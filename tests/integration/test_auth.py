@@ -19,14 +19,21 @@ from controller.auth import add_token
 from controller.jobview import TERMINAL
 from programs.lm.config import SMALL_OVERRIDES
 from protos import controller_pb2 as pb
+from slicewise import wire
+from slicewise.client import _call
+from slicewise.common import direct
 from slicewise.common.errors import SlicewiseError
-from slicewise.common.framing import recv_header, send_header
+from slicewise.common.framing import TransportError, recv_header, send_header
+from slicewise.common.mesh import ShardingSpec
 from slicewise.launch import ControllerStartError
 from slicewise.testing import wait_until
 from tests.certs import make_certificates
-from tests.integration.conftest import start_controller
+from tests.integration.conftest import controller_log, start_controller
 
 pytestmark = pytest.mark.integration
+
+# Direct transfers expire this soon here, so that their clean-up can be seen.
+DIRECT_TTL_S = 4
 
 
 @pytest.fixture(scope="module")
@@ -57,6 +64,8 @@ def secured(tmp_path_factory):
             certs.ca,
             "--data-root",
             str(data),
+            "--direct-transfer-ttl",
+            str(DIRECT_TTL_S),
         ),
     )
     proc.data_root = data
@@ -114,6 +123,29 @@ def test_tenants_see_only_their_own_and_an_admin_sees_all(secured):
         )
         try:
             stub = bob.stub
+            # Alice's direct put, under way while bob tries to begin, finish or end one.
+            spec = pb.ArraySpec(shape=[8], dtype="float32")
+            sharding = wire.sharding_to_pb(x.sharding)
+            put = pb.BeginDirectPutRequest(gang_id=gang.id, spec=spec, sharding=sharding)
+            transfer = alice.stub.BeginDirectPut(put).transfer_id
+            for what, call in {
+                "direct put": lambda: stub.BeginDirectPut(put),
+                "direct fetch": lambda: stub.BeginDirectFetch(
+                    pb.BeginDirectFetchRequest(handle=x.handle)
+                ),
+                "finish": lambda: stub.FinishDirectPut(
+                    pb.FinishDirectPutRequest(transfer_id=transfer)
+                ),
+                "abandon": lambda: stub.AbandonDirectTransfer(
+                    pb.AbandonDirectTransferRequest(transfer_id=transfer)
+                ),
+            }.items():
+                with pytest.raises(grpc.RpcError) as info:
+                    call()
+                assert info.value.code() == grpc.StatusCode.NOT_FOUND, what
+                assert "alice" not in info.value.details(), what
+            # Still hers, and still under way (TTL permitting: it is only DIRECT_TTL_S).
+            alice.stub.AbandonDirectTransfer(pb.AbandonDirectTransferRequest(transfer_id=transfer))
             refused = {
                 "gang": lambda: stub.ReleaseGang(pb.ReleaseGangRequest(gang_id=gang.id)),
                 "array": lambda: list(stub.FetchArray(pb.FetchArrayRequest(handle=x.handle))),
@@ -154,9 +186,18 @@ def test_tenants_see_only_their_own_and_an_admin_sees_all(secured):
             assert job.job_id not in [j.job_id for j in bob.jobs()]
             # Bob's caps: one chip, 1 KiB of arrays.
             own.put(np.zeros(128, np.float32), own.mesh().sharding())  # 512 B
+            big = pb.ArraySpec(shape=[256], dtype="float32")
+            own_sharding = wire.sharding_to_pb(ShardingSpec(own.mesh().spec, ()))
             for what, call in (
                 ("chips", lambda: bob.allocate(1, "v5litepod-1", timeout=30)),
                 ("bytes", lambda: own.put(np.zeros(256, np.float32), own.mesh().sharding())),
+                (
+                    "direct bytes",
+                    lambda: _call(
+                        bob.stub.BeginDirectPut,
+                        pb.BeginDirectPutRequest(gang_id=own.id, spec=big, sharding=own_sharding),
+                    ),
+                ),
             ):
                 with pytest.raises(SlicewiseError, match="of its cap of") as info:
                     call()
@@ -199,6 +240,55 @@ def test_worker_ports_refuse_every_connection_without_the_gang_token(secured):
             assert gang.stats().workers[0].arrays == worker.arrays
         finally:
             gang.release()
+
+
+def test_abandoned_direct_transfers_leave_nothing_on_the_workers(secured):
+    proc, token, _, _ = secured
+    with as_tenant(secured, token) as alice:
+        gang = alice.allocate(1, "v5litepod-1", timeout=120)
+        try:
+            x = gang.put(np.arange(1024, dtype=np.float32), gang.mesh().sharding())
+            spec, sharding = pb.ArraySpec(shape=[1024], dtype="float32"), x.sharding
+            put = pb.BeginDirectPutRequest(
+                gang_id=gang.id, spec=spec, sharding=wire.sharding_to_pb(sharding)
+            )
+            begun = alice.stub.BeginDirectPut(put)
+            [host] = begun.hosts
+            piece = tuple(slice(r.start, r.stop) for r in host.pieces[0].ranges)
+            part = direct.HostPart(host.data_address, host.capability, (piece,))
+            direct.put(begun.transfer_id, np.ones(1024, np.float32), [part])  # staged
+            fetch = alice.stub.BeginDirectFetch(pb.BeginDirectFetchRequest(handle=x.handle))
+            assert fetch.array.handle == x.handle
+            # Neither is finished or read: both are taken off the worker at expiry.
+            wait_until(
+                lambda: [(w.staged, w.pins) for w in gang.stats().workers] == [(0, 0)],
+                timeout_s=60,
+                what="the abandoned direct put and fetch to be cleaned up",
+            )
+            with pytest.raises(grpc.RpcError) as info:
+                alice.stub.FinishDirectPut(pb.FinishDirectPutRequest(transfer_id=begun.transfer_id))
+            assert info.value.code() == grpc.StatusCode.NOT_FOUND
+            assert "expired" in info.value.details()
+            # Its capability is no use any more either: expired, or (in the second
+            # before it does) refused by the worker, which remembers the put ended.
+            with pytest.raises(TransportError, match="wrong capability|has ended"):
+                direct.put(begun.transfer_id, np.ones(1024, np.float32), [part])
+            np.testing.assert_array_equal(x.fetch(), np.arange(1024, dtype=np.float32))
+            # Transfers of a gang released before they expire expire quietly (the
+            # fetch's first: its clean-up is due first).
+            alice.stub.BeginDirectFetch(pb.BeginDirectFetchRequest(handle=x.handle))
+            late = alice.stub.BeginDirectPut(put).transfer_id
+        finally:
+            gang.release()
+        wait_until(
+            lambda: f"direct put {late} expired" in controller_log(proc),
+            timeout_s=60,
+            what=f"direct put {late} to expire",
+        )
+        assert alice.health().num_gangs == 0
+        log = controller_log(proc)
+        for sign in ("failed unexpectedly", "never retrieved", "Exception in callback"):
+            assert sign not in log, sign
 
 
 def test_jobs_read_data_only_under_the_data_roots(secured):
