@@ -8,6 +8,9 @@ import os
 import sys
 
 DEFAULT_ADDRESS = "127.0.0.1:50051"
+# The default of `controller --compilation-cache`: one cache for every controller started
+# in an environment (e.g. a test session, or several controllers on one machine).
+COMPILATION_CACHE_ENV = "SLICEWISE_COMPILATION_CACHE"
 
 
 def _controller(args: argparse.Namespace) -> int:
@@ -417,10 +420,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--compilation-cache",
         metavar="DIR",
-        default="",
+        default=os.environ.get(COMPILATION_CACHE_ENV, ""),
         help="JAX's persistent compilation cache for the workers, a filesystem path on "
         "every host: a recovered gang loads its programs instead of compiling them "
-        "(default: <state-dir>/jax-cache with --sim, none otherwise)",
+        f"(default: ${COMPILATION_CACHE_ENV} if set, else <state-dir>/jax-cache with "
+        "--sim, none otherwise)",
     )
     p.add_argument(
         "--allow-chaos",
