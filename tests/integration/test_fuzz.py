@@ -83,7 +83,9 @@ FROM_SCRATCH = 90
 NEAR_VALID = {name: 80 for name in METHODS} | {"WatchGang": 30, "WatchJob": 30}
 RAW_FRAMES = 40
 MUTATED_PROGRAMS = 150
-CHAINS = {"job": 50, "array": 50, "program": 40, "attachment": 30}
+CHAINS = {"job": 50, "array": 50, "program": 40, "attachment": 30, "direct": 40}
+# Direct transfers the fuzz begins and leaves expire (and are cleaned up) during the campaign.
+DIRECT_TTL_S = 5
 MIN_REQUESTS = 5000
 
 SETTINGS: dict[str, Any] = {
@@ -103,7 +105,12 @@ LM_KEYS = ["d_model", "n_heads", "seq_len", "batch_size", "total_steps", "warmup
 
 @pytest.fixture(scope="module")
 def fuzz_controller(tmp_path_factory):
-    proc = start_controller(tmp_path_factory, "fuzz-controller", sim=SIM)
+    proc = start_controller(
+        tmp_path_factory,
+        "fuzz-controller",
+        sim=SIM,
+        extra_args=("--direct-transfer-ttl", str(DIRECT_TTL_S)),
+    )
     limit = (CONTROLLER_DATA_BYTES, CONTROLLER_DATA_BYTES)
     resource.prlimit(proc.pid, resource.RLIMIT_DATA, limit)
     try:
@@ -125,6 +132,7 @@ class Pool:
     jobs: list[str]
     spare: list[str] = field(default_factory=list)
     streamed: list[str] = field(default_factory=list)  # outputs named on call streams
+    transfers: list[str] = field(default_factory=list)  # direct puts and fetches begun
 
 
 Reply = tuple[grpc.StatusCode, list[bytes]]
@@ -218,8 +226,10 @@ class Campaign:
             self.pool.jobs.append(job.job_id)
             if job.num_slices < 2:
                 self.send("CancelJob", pb.CancelJobRequest(job_id=job.job_id))
-        elif name == "PutArray":
+        elif name in ("PutArray", "FinishDirectPut"):
             self.pool.spare.append(pb.ArrayInfo.FromString(reply).handle)
+        elif name in ("BeginDirectPut", "BeginDirectFetch"):
+            self.pool.transfers.append(pb.DirectTransfer.FromString(reply).transfer_id)
         elif name in ("Execute", "ExecuteBatch"):
             results = (
                 [pb.ExecuteResponse.FromString(reply)]
@@ -265,6 +275,7 @@ def hints(pool: Pool, program_bytes: int) -> dict[str, st.SearchStrategy[Any]]:
         "SubmitJobRequest.gang_id": st.one_of(not_ours, garbage_text),
         "GetTraceRequest.id": st.one_of(gangs, near(lambda: pool.jobs), garbage_text),
         "handle": st.one_of(handles, garbage_text),
+        "transfer_id": st.one_of(near(lambda: pool.transfers), garbage_text),
         "handles": st.one_of(handles, garbage_text),
         "inputs": st.one_of(handles, batch_refs(), garbage_text),
         "program_id": st.one_of(near(lambda: pool.programs), garbage_text),
@@ -325,6 +336,7 @@ class Real:
     mesh: pb.MeshSpec
     sharding: pb.ShardingSpec
     job: str
+    transfer: str  # a direct put begun (and left to expire)
 
 
 def templates(real: Real) -> dict[str, Message | list[Message]]:
@@ -382,6 +394,12 @@ def templates(real: Real) -> dict[str, Message | list[Message]]:
             )
         ],
         "FetchArray": pb.FetchArrayRequest(handle=real.array, timeout_s=10),
+        "BeginDirectPut": pb.BeginDirectPutRequest(
+            gang_id=real.gang, spec=spec, sharding=real.sharding
+        ),
+        "FinishDirectPut": pb.FinishDirectPutRequest(transfer_id=real.transfer),
+        "BeginDirectFetch": pb.BeginDirectFetchRequest(handle=real.array, timeout_s=10),
+        "AbandonDirectTransfer": pb.AbandonDirectTransferRequest(transfer_id=real.transfer),
         "WaitArrays": pb.WaitArraysRequest(handles=[real.array], timeout_s=1),
         "DeleteArrays": pb.DeleteArraysRequest(handles=[]),
         "GetGangStats": pb.GangStatsRequest(gang_id=real.gang),
@@ -555,7 +573,36 @@ def run_chains(campaign: Campaign, real: Real, hinted: dict[str, Any]) -> None:
         campaign.send("ReleaseGang", pb.ReleaseGangRequest(gang_id=g))
         campaign.send("GetGangStats", pb.GangStatsRequest(gang_id=g))
 
-    for steps in (job, array, program, attachment):
+    @chain(
+        CHAINS["direct"],
+        put=near_valid(valid["BeginDirectPut"], hinted),
+        fetch=near_valid(valid["BeginDirectFetch"], hinted),
+        finish=st.booleans(),
+    )
+    def direct(
+        put: pb.BeginDirectPutRequest, fetch: pb.BeginDirectFetchRequest, finish: bool
+    ) -> None:
+        code, replies = campaign.send("BeginDirectPut", put)
+        if code is OK:
+            t = pb.DirectTransfer.FromString(replies[0]).transfer_id
+            # No pieces were sent: a finished put makes an array that failed.
+            if finish:
+                code, replies = campaign.send(
+                    "FinishDirectPut", pb.FinishDirectPutRequest(transfer_id=t)
+                )
+                if code is OK:
+                    a = pb.ArrayInfo.FromString(replies[0]).handle
+                    campaign.send("WaitArrays", pb.WaitArraysRequest(handles=[a], timeout_s=5))
+                    campaign.send("BeginDirectFetch", pb.BeginDirectFetchRequest(handle=a))
+            campaign.send("AbandonDirectTransfer", pb.AbandonDirectTransferRequest(transfer_id=t))
+            campaign.send("FinishDirectPut", pb.FinishDirectPutRequest(transfer_id=t))
+        code, replies = campaign.send("BeginDirectFetch", fetch)
+        if code is OK:
+            t = pb.DirectTransfer.FromString(replies[0]).transfer_id
+            campaign.send("AbandonDirectTransfer", pb.AbandonDirectTransferRequest(transfer_id=t))
+            campaign.send("FinishDirectPut", pb.FinishDirectPutRequest(transfer_id=t))
+
+    for steps in (job, array, program, attachment, direct):
         steps()
 
 
@@ -637,7 +684,8 @@ def run_campaign(campaign: Campaign, real: Real) -> None:
 
 
 def well_formed(client: slicewise.Client, gang: slicewise.client.Gang) -> None:
-    """Upload, compute and download on the campaign's gang and on a new one."""
+    """Upload (through the controller and directly), compute and download on the
+    campaign's gang and on a new one."""
     for g in (gang, client.allocate(slices=1, slice_type=V4, timeout=120)):
         try:
             x = g.put(np.arange(8, dtype=np.float32), g.mesh().sharding("chip"))
@@ -645,6 +693,10 @@ def well_formed(client: slicewise.Client, gang: slicewise.client.Gang) -> None:
             np.testing.assert_array_equal(
                 affine(x).fetch(timeout=60), np.arange(8, dtype=np.float32) * 3 + 1
             )
+            # Large enough to go straight between client and hosts, both ways.
+            big = np.arange(slicewise.client.DIRECT_MIN_BYTES // 4, dtype=np.float32)
+            np.testing.assert_array_equal(g.put(big, g.mesh().sharding("chip")).fetch(), big)
+            assert g.direct_data
         finally:
             if g is not gang:
                 g.release()
@@ -672,6 +724,13 @@ def test_fuzz_every_rpc(fuzz_controller, tmp_path):
         program = gang.load(exported, mesh, name="plus_one")
         deleted = gang.put(np.zeros(4, np.float32))
         deleted.delete()
+        transfer = client.stub.BeginDirectPut(
+            pb.BeginDirectPutRequest(
+                gang_id=gang.id,
+                spec=pb.ArraySpec(shape=[8], dtype="float32"),
+                sharding=wire.sharding_to_pb(x.sharding),
+            )
+        ).transfer_id
         with client.allocate(slices=1, slice_type=V4, timeout=120) as released:
             pass
         # The other slice: fuzzed allocations attach to this gang, or queue and give up.
@@ -685,6 +744,7 @@ def test_fuzz_every_rpc(fuzz_controller, tmp_path):
             handles=[x.handle, deleted.handle],
             programs=[program.id],
             jobs=[cancelled.job_id, queued.job_id],
+            transfers=[transfer],
         )
         campaign = Campaign(channel, pool)
         real = Real(
@@ -696,6 +756,7 @@ def test_fuzz_every_rpc(fuzz_controller, tmp_path):
             mesh=wire.mesh_to_pb(mesh.spec),
             sharding=wire.sharding_to_pb(x.sharding),
             job=cancelled.job_id,
+            transfer=transfer,
         )
         with Watchdog(
             fuzz_controller.address,
