@@ -176,6 +176,7 @@ class FakeClient:
         self.stub = RecordingStub()
         self.closed = False
         self._streams = weakref.WeakSet()
+        self.direct_data = False  # its puts go to the recording stub
 
 
 @pytest.fixture
