@@ -1,8 +1,9 @@
 """A controller killed outright (SIGKILL) or stopped (SIGTERM) mid-run and started again
-on the same state directory and port continues its job from the last committed step:
-it takes a new gang, restores, ends `succeeded` with, step for step, the loss of an
-uninterrupted run, bit for bit. A `slicewise watch` running in a second process
-re-attaches by itself and follows the job to its end; ids go on counting."""
+on the same state directory and port continues its job from the last committed step
+(a stopped one saves the step it reached first): it takes a new gang, restores, ends
+`succeeded` with, step for step, the loss of an uninterrupted run, bit for bit. A
+`slicewise watch` running in a second process re-attaches by itself and follows the job
+to its end; ids go on counting. One job meets both endings, one after the other."""
 
 from __future__ import annotations
 
@@ -77,48 +78,69 @@ def watch_in_another_process(address: str, job_id: str, out: Path) -> subprocess
         )
 
 
-def interrupted_run(restartable: Restartable, how: signal.Signals, tmp_path: Path):
-    """Runs the job on a fresh controller; once it is past a random step with a
-    committed checkpoint, ends the controller with `how` and starts it again. Returns
-    the job's final info and steps, the step it was at when the controller went and
-    the newest step committed in storage then, and what the watcher printed."""
+def end_controller(proc, how: signal.Signals) -> None:
+    if how is signal.SIGKILL:
+        proc.proc.kill()
+        proc.proc.wait(timeout=60)
+    else:
+        assert proc.stop() == 0, "the controller did not stop cleanly on SIGTERM"
+
+
+def past(client, job_id: str, step: int, after_committed: int = -1) -> pb.JobInfo:
+    """The job's info once it has done `step` with a checkpoint newer than
+    `after_committed` committed."""
+    return wait_until(
+        lambda: (
+            (i := client.job(job_id)).step >= step
+            and i.HasField("committed_step")
+            and i.committed_step > after_committed
+            and i
+        ),
+        timeout_s=600,
+        interval_s=0.05,
+        what=f"job {job_id} to pass step {step} with a checkpoint after {after_committed}",
+    )
+
+
+@pytest.mark.timeout(1500)
+def test_a_killed_then_stopped_controller_continues_its_job_after_each_restart(
+    restartable, uninterrupted, tmp_path
+):
+    """The controller is killed outright (SIGKILL) past a random step with a committed
+    checkpoint, started again, and later stopped (SIGTERM) past another random step,
+    and started again: the job ends `succeeded` with the uninterrupted run's loss at
+    every step; a watcher in another process follows it through both restarts."""
     seed = int.from_bytes(os.urandom(4), "little")
-    at = random.Random(seed).randint(EVERY + 2, STEPS - 8)
-    print(f"seed {seed}: the controller goes once step {at} is done ({how.name})")
+    rng = random.Random(seed)
+    killed_at = rng.randint(EVERY + 2, 2 * EVERY)
+    stopped_at = rng.randint(2 * EVERY + 4, STEPS - 6)
+    print(f"seed {seed}: SIGKILL once step {killed_at} is done, SIGTERM at {stopped_at}")
     first = restartable.start()
     with slicewise.connect(first.address, name="restart-test") as client:
-        job = submit_lm(
-            client,
-            STEPS,
-            checkpoint_every=EVERY,
-        )
+        job = submit_lm(client, STEPS, checkpoint_every=EVERY)
         assert ID_PATTERN.fullmatch(job.job_id) and job.job_id.startswith("j1-"), job.job_id
         watch_out = tmp_path / "watch.txt"
         watcher = watch_in_another_process(first.address, job.job_id, watch_out)
         try:
-            info = wait_until(
-                lambda: (
-                    (i := client.job(job.job_id)).step >= at and i.HasField("committed_step") and i
-                ),
-                timeout_s=600,
-                interval_s=0.05,
-                what=f"job {job.job_id} to pass step {at} with a committed checkpoint",
-            )
+            info = past(client, job.job_id, killed_at)
             old_gang = info.gang_id
-            if how is signal.SIGKILL:
-                first.proc.kill()
-                first.proc.wait(timeout=60)
-            else:
-                assert first.stop() == 0, "the controller did not stop cleanly on SIGTERM"
-            reached = info.step
-            directory = info.checkpoint_dir
-            held = committed_steps(directory)
-            assert held, f"nothing committed in {directory}"
-            print(f"controller ended at step >= {reached}; committed in storage: {held}")
+            end_controller(first, signal.SIGKILL)
+            killed_held = committed_steps(info.checkpoint_dir)
+            assert killed_held, f"nothing committed in {info.checkpoint_dir}"
+            print(f"killed at step >= {info.step}; committed in storage: {killed_held}")
 
             second = restartable.start()
             assert second.address == first.address
             with slicewise.connect(second.address, name="restart-test") as again:
+                # Resumed from a step it had committed, and saved one more since.
+                resumed = past(again, job.job_id, stopped_at, max(killed_held))
+                assert resumed.restarts == 1 and resumed.resumed_from_step in killed_held
+                end_controller(second, signal.SIGTERM)
+            stopped_held = committed_steps(info.checkpoint_dir)
+            print(f"stopped at step >= {resumed.step}; committed in storage: {stopped_held}")
+
+            third = restartable.start()
+            with slicewise.connect(third.address, name="restart-test") as again:
                 done, steps = finished(again, job.job_id)
                 # Ids go on counting: an old id never names a new object.
                 fresh = submit_lm(again, 1, checkpoint_every=0)
@@ -132,46 +154,29 @@ def interrupted_run(restartable: Restartable, how: signal.Signals, tmp_path: Pat
                     assert id_order(gang.id)[1] > id_order(old_gang)[1] + 1
             watcher.wait(timeout=120)
             assert watcher.returncode == 0, watch_out.read_text()
-            return done, steps, held, watch_out.read_text()
+            watched = watch_out.read_text()
         finally:
             if watcher.poll() is None:
                 os.killpg(watcher.pid, signal.SIGKILL)
                 watcher.wait(timeout=30)
 
-
-def check_continued(done, steps, held, watched, uninterrupted, restartable) -> None:
     reference = [s.loss for s in uninterrupted[1]]
-    assert done.restarts == 1
+    assert done.restarts == 2
     assert done.committed_step == STEPS
-    assert done.resumed_from_step in held, (done.resumed_from_step, held)
     assert [s.step for s in steps] == list(range(STEPS))
     assert [s.loss for s in steps] == reference  # bit for bit, every step
     assert done.last.loss == uninterrupted[0].last.loss
-    log = restartable.log(2)
-    assert (
-        "continuing 1 unfinished job(s)" in log or "resumes after the controller restarted" in log
-    )
-    # The second process followed the job through the restart to its end.
-    assert "lost the controller" in watched
-    assert re.search(rf"^j1-[a-z2-7]{{13}} step {STEPS}/{STEPS} loss", watched, re.M), watched
-    assert "succeeded" in watched
-
-
-@pytest.mark.timeout(1500)
-def test_a_killed_controller_continues_its_job_after_a_restart(
-    restartable, uninterrupted, tmp_path
-):
-    done, steps, held, watched = interrupted_run(restartable, signal.SIGKILL, tmp_path)
-    check_continued(done, steps, held, watched, uninterrupted, restartable)
-
-
-@pytest.mark.timeout(1500)
-def test_a_stopped_controller_saves_and_continues_its_job_after_a_restart(
-    restartable, uninterrupted, tmp_path
-):
-    done, steps, held, watched = interrupted_run(restartable, signal.SIGTERM, tmp_path)
-    check_continued(done, steps, held, watched, uninterrupted, restartable)
     # Stopped, not killed: the job saved the step it had reached before the controller
     # went, and continued from exactly there.
-    assert done.resumed_from_step == max(held)
-    assert "the controller is stopping: saving step" in restartable.log(1)
+    assert done.resumed_from_step == max(stopped_held) > max(killed_held)
+    assert "the controller is stopping: saving step" in restartable.log(2)
+    for start in (2, 3):
+        log = restartable.log(start)
+        assert (
+            "continuing 1 unfinished job(s)" in log
+            or "resumes after the controller restarted" in log
+        ), start
+    # The second process followed the job through the restarts to its end.
+    assert "lost the controller" in watched, watched
+    assert re.search(rf"^j1-[a-z2-7]{{13}} step {STEPS}/{STEPS} loss", watched, re.M), watched
+    assert "succeeded" in watched
