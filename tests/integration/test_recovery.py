@@ -122,7 +122,7 @@ def step_log(client, job_id: str) -> tuple[threading.Thread, list[int]]:
 
 
 # Runs of the peer-recovery scenario until one where the surviving worker survives.
-PEER_ATTEMPTS = 3
+PEER_ATTEMPTS = 5
 
 
 @pytest.mark.timeout(1500)
