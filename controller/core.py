@@ -70,7 +70,7 @@ _REMEMBERED_GANGS = 10_000
 ARCHIVE_WAIT_S = 30.0
 # The longest a wait or fetch waits for the call-stream batch it names to be queued, and
 # the most call streams tracked at once (waits for more do not wait).
-STREAM_WAIT_S = 60.0
+STREAM_WAIT_S = 25.0  # under the client's margin over a wait's timeout (30 s)
 MAX_STREAMS = 100_000  # the longest a trace waits for a gang being released to be archived
 
 VERSION = "0.1.0"
@@ -407,10 +407,12 @@ class Controller:
         if progress is not None:
             progress.close()
 
-    async def after_stream(self, handles: Sequence[str], batch: int, timeout_s: float) -> None:
+    async def after_stream(self, handles: Sequence[str], batch: int) -> None:
         """Returns once the call stream these handles come from has queued batch `batch`
-        (at most `timeout_s`, and not at all for handles of no stream): a client's wait
-        or fetch may overtake the calls it waits for, which travel on the stream."""
+        (at most STREAM_WAIT_S, and not at all for handles of no stream): a client's wait
+        or fetch may overtake the calls it waits for, which travel on the stream. The
+        wait's or fetch's own timeout does not bound this: it is for the computation (a
+        wait of 1 ms for an array still on its way must not answer that it is unknown)."""
         if not batch:
             return
         for prefix in {h.rpartition(".")[0] for h in handles if "/c" in h}:
@@ -421,7 +423,7 @@ class Controller:
                 progress = self._streams[prefix] = StreamProgress()
             progress.waiters += 1
             try:
-                await progress.reach(batch, min(timeout_s or STREAM_WAIT_S, STREAM_WAIT_S))
+                await progress.reach(batch, STREAM_WAIT_S)
             finally:
                 progress.waiters -= 1
                 gone = not progress.open and not progress.waiters

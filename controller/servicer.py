@@ -590,7 +590,7 @@ class ControllerServicer(pb_grpc.ControllerServicer):
         timeout_s = check_seconds(
             "FetchArrayRequest.timeout_s", request.timeout_s, "0 means the controller's default"
         )
-        await self.controller.after_stream([request.handle], request.after_batch, timeout_s)
+        await self.controller.after_stream([request.handle], request.after_batch)
         with _holding("fetch") as hold:
             record, array = await self.controller.fetch(request.handle, timeout_s)
             hold(array.nbytes)
@@ -624,7 +624,7 @@ class ControllerServicer(pb_grpc.ControllerServicer):
             request.timeout_s,
             "0 means the controller's default",
         )
-        await self.controller.after_stream([request.handle], request.after_batch, timeout_s)
+        await self.controller.after_stream([request.handle], request.after_batch)
         return _transfer_to_pb(await self.controller.begin_direct_fetch(request.handle, timeout_s))
 
     @_unary
@@ -641,7 +641,7 @@ class ControllerServicer(pb_grpc.ControllerServicer):
         timeout_s = check_seconds(
             "WaitArraysRequest.timeout_s", request.timeout_s, "0 waits until they settle"
         )
-        await self.controller.after_stream(request.handles, request.after_batch, timeout_s)
+        await self.controller.after_stream(request.handles, request.after_batch)
         records = await self.controller.wait(list(request.handles), timeout_s)
         return pb.WaitArraysResponse(arrays=[messages.array_to_pb(r) for r in records])
 

@@ -143,7 +143,7 @@ def test_a_wait_naming_a_batch_still_on_its_way_waits_for_it(plus_one):
         controller, gang_id, program, x = await gang_with(plus_one)
         prefix = f"{gang_id}/cw"
         a = f"{prefix}.1"
-        waiter = asyncio.create_task(controller.after_stream([a], 1, TIMEOUT))
+        waiter = asyncio.create_task(controller.after_stream([a], 1))
         await asyncio.sleep(0)  # the waiter runs up to its wait (an ordering, not a delay)
         early = waiter.done()
         progress = controller.stream_opened(prefix)
