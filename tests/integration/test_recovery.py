@@ -147,6 +147,7 @@ def test_a_slice_lost_with_a_replica_elsewhere_loses_no_step(
         done, steps = finished(client, job.job_id)
         reader.join(timeout=60)
         assert done.state == pb.JOB_STATE_SUCCEEDED and done.peer_recovery
+        assert len(done.recoveries) == 1, f"one fault, {len(done.recoveries)} recoveries: {done}"
         (recovery,) = done.recoveries
         if recovery.source == "peer":
             break
