@@ -31,3 +31,22 @@ def pytest_configure(config):
 def pytest_unconfigure(config):
     if _OWN_CACHE:
         shutil.rmtree(_CACHE, ignore_errors=True)
+
+
+# Seconds spent per test file (setup, call and teardown of its tests, fixtures included),
+# summed in the main process from every xdist worker's reports: the end of the run names
+# the slowest files, which is where the suite's 20 minutes go.
+_FILE_SECONDS: dict[str, float] = {}
+
+
+def pytest_runtest_logreport(report):
+    path = report.nodeid.partition("::")[0]
+    _FILE_SECONDS[path] = _FILE_SECONDS.get(path, 0.0) + report.duration
+
+
+def pytest_terminal_summary(terminalreporter):
+    if not _FILE_SECONDS:
+        return
+    terminalreporter.section("slowest test files")
+    for path, seconds in sorted(_FILE_SECONDS.items(), key=lambda kv: -kv[1])[:20]:
+        terminalreporter.write_line(f"{seconds:8.1f}s {path}")
