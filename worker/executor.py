@@ -49,8 +49,10 @@ OnFailure = Callable[[Op, str], None]
 # launched: the result's `started_ns` says when.
 OnDone = Callable[[Op, int, int, OpResult], None]
 Clock = Callable[[], int]  # wall-clock nanoseconds
-# Called whenever the executor is about to wait (for operations, or for device work):
-# completions reported since can go out together now without delaying anything.
+# Called whenever the executor is about to wait with nothing to launch (no operations,
+# or only device work to wait for): completions reported since should go out now. While
+# operations are queued behind a full window it is not called: the completions of a busy
+# stretch then travel together (the channel bounds how long one waits; channel.py).
 OnIdle = Callable[[], None]
 
 
@@ -227,16 +229,16 @@ class InOrderExecutor:
                 if ready is not None:
                     self._next += 1
             if ready is None or len(self._in_flight) >= self._window:
-                if self._in_flight:
-                    self._on_idle()
+                if ready is None and self._in_flight:
+                    self._on_idle()  # nothing to launch: only the devices to wait for
                 self._retire_oldest()
             if ready is not None:
                 # Programs already done are reported before the next launch, which may
-                # block for long (or for ever, on a host stuck in a collective).
-                if self._in_flight and self._in_flight[0].done.is_set():
-                    while self._in_flight and self._in_flight[0].done.is_set():
-                        self._retire_oldest()
-                    self._on_idle()
+                # block for long (or for ever, on a host stuck in a collective): the
+                # channel sends what is reported within its bound whatever this thread
+                # then does.
+                while self._in_flight and self._in_flight[0].done.is_set():
+                    self._retire_oldest()
                 self._launch(*ready)
 
     def _launch(self, op: Op, fut: Future[OpResult]) -> None:

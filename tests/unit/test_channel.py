@@ -31,12 +31,12 @@ def run(coro):
 class Worker:
     """A data server whose control connections go to a WorkerEnd feeding a real executor."""
 
-    def __init__(self, epoch=1, apply=lambda op: None, **end_kwargs):
+    def __init__(self, epoch=1, apply=lambda op: None, flush=True, **end_kwargs):
         self.end = WorkerEnd(TOKEN, epoch, self.submit, **end_kwargs)
         self.executor = InOrderExecutor(
             apply,
             on_done=lambda op, s, f, result: self.end.completed(result),
-            on_idle=self.end.flush,
+            on_idle=self.end.flush if flush else None,
         )
         self.server = DataServer("127.0.0.1", TOKEN, self.no_put, self.no_get, self.end.serve)
         self.batches = []
@@ -180,6 +180,24 @@ def test_operations_that_complete_back_to_back_come_back_in_one_frame(worker):
         return [r.seq for r in frame]
 
     assert run(scenario()) == list(range(1, 21))
+
+
+def test_completions_go_out_unflushed_within_the_bound():
+    """An executor that never says it is idle (busy for ever, say) still has its
+    completions sent: the channel sends them FLUSH_AFTER_S after the first."""
+    worker = Worker(flush=False)
+    try:
+
+        async def scenario():
+            channel = await ControllerEnd.connect(worker.server.address, TOKEN, 1, "host 0")
+            await channel.send([DeleteOp(seq, ()) for seq in range(1, 4)])
+            seqs = await receive_all(channel, 3)
+            channel.close()
+            return seqs
+
+        assert run(scenario()) == [1, 2, 3]
+    finally:
+        worker.close()
 
 
 def test_a_worker_end_without_a_token_cannot_be_made():
