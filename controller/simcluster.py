@@ -195,15 +195,18 @@ def _session_processes(sid: int) -> list[int]:
     return pids
 
 
-def _sweep_session(grace_s: float = 3.0) -> None:
-    """SIGTERM, then SIGKILL, every other process of this session."""
+def _sweep_session(grace_s: float = 0.5, kill_wait_s: float = 10.0) -> None:
+    """SIGTERM, then SIGKILL, every other process of this session, and waits (at most
+    `kill_wait_s`) until they are gone. What is left once the nodes are removed is Ray's
+    per-node agents, which hold nothing of ours: some ignore SIGTERM for seconds (the
+    grace was 3 s, which every stop then took)."""
     sid = os.getsid(0)
-    for sig in (signal.SIGTERM, signal.SIGKILL):
+    for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, kill_wait_s)):
         pids = _session_processes(sid)
         for pid in pids:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, sig)
-        deadline = time.monotonic() + grace_s
+        deadline = time.monotonic() + wait_s
         while pids and time.monotonic() < deadline:
             time.sleep(0.1)
             pids = _session_processes(sid)
