@@ -48,5 +48,7 @@ def pytest_terminal_summary(terminalreporter):
     if not _FILE_SECONDS:
         return
     terminalreporter.section("slowest test files")
+    total = sum(_FILE_SECONDS.values())
+    terminalreporter.write_line(f"{total:8.1f}s in all, {len(_FILE_SECONDS)} files")
     for path, seconds in sorted(_FILE_SECONDS.items(), key=lambda kv: -kv[1])[:20]:
         terminalreporter.write_line(f"{seconds:8.1f}s {path}")
