@@ -33,41 +33,6 @@ def pytest_unconfigure(config):
         shutil.rmtree(_CACHE, ignore_errors=True)
 
 
-# The files that take longest (by the "slowest test files" list of a full run), run
-# first: xdist hands out whole files (--dist loadfile) in collection order, and a long
-# file started last keeps one worker busy while the other has nothing left to do. The
-# many short files come after them and fill the gaps.
-HEAVIEST_FIRST = [
-    "tests/integration/test_recovery.py",
-    "tests/integration/test_controller_restart.py",
-    "tests/integration/test_preemption_resume.py",
-    "tests/integration/test_moe_training.py",
-    "tests/integration/test_training.py",
-    "tests/integration/test_scheduling.py",
-    "tests/unit/test_moe_sharded.py",
-    "tests/integration/test_fuzz.py",
-    "tests/integration/test_checkpoint_reshape.py",
-    "tests/integration/test_elastic.py",
-    "tests/integration/test_checkpoint_crash.py",
-    "tests/integration/test_shutdown.py",
-    "tests/integration/test_auth.py",
-    "tests/integration/test_checkpoints.py",
-]
-
-
-def pytest_collection_modifyitems(session, config, items):
-    """Orders files as HEAVIEST_FIRST says, then the other integration files, then the
-    unit files; the tests of a file keep their order (the sort is stable). Every xdist
-    worker sorts its collection the same way, as xdist requires."""
-    rank = {path: i for i, path in enumerate(HEAVIEST_FIRST)}
-
-    def key(item):
-        path = item.nodeid.partition("::")[0]
-        return (rank.get(path, len(rank)), 0 if path.startswith("tests/integration") else 1)
-
-    items.sort(key=key)
-
-
 # Seconds spent per test file (setup, call and teardown of its tests, fixtures included),
 # summed in the main process from every xdist worker's reports: the end of the run names
 # the slowest files, which is where the suite's 20 minutes go.
