@@ -272,14 +272,22 @@ class JaxRuntime:
     # -- checkpoints -----------------------------------------------------------------
 
     def _checkpointer(self, directory: str, barrier_prefix: str) -> QueuedCheckpointer:
-        from worker.checkpoint import HostCheckpointer, QueuedCheckpointer
-
         key = (directory, barrier_prefix)
         checkpointer = self._checkpointers.get(key)
         if checkpointer is None:
-            checkpointer = self._checkpointers[key] = QueuedCheckpointer(
-                HostCheckpointer(directory, barrier_prefix=barrier_prefix or None)
-            )
+            # One-time local setup, like a compile: the heartbeat says so, and the
+            # controller's step watchdog does not take it for a stuck collective (the
+            # first save of a job imports orbax; under load that took over the 8-s
+            # step timeout of the recovery tests, and the job "recovered" from it).
+            self.compiling = f"checkpointing in {directory}"
+            try:
+                from worker.checkpoint import HostCheckpointer, QueuedCheckpointer
+
+                checkpointer = self._checkpointers[key] = QueuedCheckpointer(
+                    HostCheckpointer(directory, barrier_prefix=barrier_prefix or None)
+                )
+            finally:
+                self.compiling = ""
         return checkpointer
 
     def _save(self, op: SaveOp) -> None:

@@ -231,3 +231,25 @@ def test_saves_apply_their_retention_to_a_directory_a_restore_opened(runtime, tm
         runtime.apply(save_op(seq, directory, step, max_to_keep=2, keep_steps=(1,)))
     runtime.apply(CloseCheckpointsOp(8, directory, "t"))
     assert committed_steps(directory) == [1, 4, 5]
+
+
+def test_setting_up_a_directorys_checkpointer_counts_as_compiling(runtime, tmp_path, monkeypatch):
+    """The heartbeat's `compiling` is set while the first checkpoint op of a directory
+    sets up (orbax's import, the checkpointer): the step watchdog lets it take long."""
+    import worker.checkpoint
+
+    seen = []
+
+    class Recording(worker.checkpoint.HostCheckpointer):
+        def __init__(self, *args, **kwargs):
+            seen.append(runtime.compiling)
+            super().__init__(*args, **kwargs)
+
+    monkeypatch.setattr(worker.checkpoint, "HostCheckpointer", Recording)
+    put_state(runtime)
+    directory = str(tmp_path / "ckpt")
+    runtime.apply(save_op(1, directory, 1))
+    runtime.apply(save_op(2, directory, 2))  # the same checkpointer: no setup
+    runtime.apply(CloseCheckpointsOp(3, directory, "t"))
+    assert seen == [f"checkpointing in {directory}"]
+    assert runtime.compiling == ""
