@@ -3,9 +3,12 @@ and 6) on a simulated 2-slice gang.
 
 A trivial gang-wide computation (a scalar all-reduce over every chip plus a scalar add)
 is run three ways through slicewise, in computations per second:
-  OpByOp  - one Execute RPC per computation (asynchronous, chained; fetch at the end),
-            and the same waited for one by one;
-  Chained - 128 computations in one ExecuteBatch request;
+  OpByOp  - one call per computation on the gang's call stream (asynchronous, each on
+            the previous one's output; waited for at the end), and the same waited for
+            one by one;
+  Chained - `Program.chain(128, x)`: 128 computations as one call of 128 runs, which
+            the workers launch back to back (the paper's "chained": one call from the
+            user's code for a chain of dependent computations);
   Fused   - 128 computations compiled into one program;
 against (a) multi-controller JAX running the same loop on the same worker processes with
 no controller, and (b) a plain Ray driver calling ordinary actors once per computation.

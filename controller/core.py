@@ -71,6 +71,8 @@ ARCHIVE_WAIT_S = 30.0
 # The longest a wait or fetch waits for the call-stream batch it names to be queued, and
 # the most call streams tracked at once (waits for more do not wait).
 STREAM_WAIT_S = 25.0  # under the client's margin over a wait's timeout (30 s)
+# The most runs one streamed call may ask for (StreamCall.repeat).
+MAX_REPEAT = 1_000_000
 MAX_STREAMS = 100_000  # the longest a trace waits for a gang being released to be archived
 
 VERSION = "0.1.0"
@@ -364,11 +366,14 @@ class Controller:
         return results
 
     def stream_calls(
-        self, gang_id: str, calls: Sequence[tuple[str, Sequence[str], Sequence[str]]]
+        self, gang_id: str, calls: Sequence[tuple[Any, ...]]
     ) -> list[tuple[int, SlicewiseError]]:
         """Queues the calls of one call-stream batch, each (program id, input handles,
-        output handles the client chose), in order; returns the calls refused, by their
-        place in the batch, with why. Unlike a batch of `execute_batch`, a refused call
+        output handles the client chose[, runs]), in order; returns the calls refused,
+        by their place in the batch, with why. A call of several runs (a chain: each run
+        on the previous run's outputs) is one operation for the workers, which launch
+        the runs back to back; its outputs are the last run's. Unlike a batch of
+        `execute_batch`, a refused call
         leaves the others queued (as separate calls would): its outputs, when the client
         named them properly, are recorded as failed with its error, so a later call,
         wait or fetch of them says what went wrong where.
@@ -382,18 +387,24 @@ class Controller:
         gang.stream_batches += 1
         gang.streamed_calls += len(calls)
         refused: list[tuple[int, SlicewiseError]] = []
-        for k, (program_id, inputs, outputs) in enumerate(calls):
+        for k, call in enumerate(calls):
+            program_id, inputs, outputs = call[:3]
+            repeat = max(1, call[3]) if len(call) > 3 else 1
             try:
                 program = self.programs.get(program_id)
                 program.check_fits(gang.shape, gang.platform, gang_id)
                 specs = [self._usable_array(h, base).spec for h in inputs]
                 program.check_inputs(specs, inputs)
                 self.arrays.check_new(base, outputs, len(program.outputs))
+                if repeat > 1:
+                    _check_repeat(program, repeat)
             except SlicewiseError as exc:
                 refused.append((k, exc))
                 self._fail_outputs(base, outputs, f"its call was refused: {exc}")
                 continue
-            self._queue_call(gang, client, program, tuple(inputs), names=tuple(outputs))
+            self._queue_call(
+                gang, client, program, tuple(inputs), names=tuple(outputs), repeat=repeat
+            )
         return refused
 
     def stream_opened(self, prefix: str) -> StreamProgress:
@@ -475,9 +486,11 @@ class Controller:
         handles: tuple[str, ...],
         report: tuple[int, ...] = (),
         names: tuple[str, ...] = (),
+        repeat: int = 1,
     ) -> tuple[Ticket, list[ArrayRecord]]:
-        """Queues one call whose inputs were checked; its outputs get `names` (checked
-        new handles the client chose) or new handles."""
+        """Queues one call whose inputs were checked (`repeat` runs of it, checked by
+        `_check_repeat`); its outputs get `names` (checked new handles the client chose)
+        or new handles."""
         loaded = self._ensure_loaded(gang, client, program)
         outputs = [
             self.arrays.new(gang.gang_id, spec, handle=name)
@@ -491,7 +504,12 @@ class Controller:
             _marking(
                 outputs,
                 lambda seq: ExecOp(
-                    seq, program.program_id, handles, tuple(r.handle for r in outputs), report
+                    seq,
+                    program.program_id,
+                    handles,
+                    tuple(r.handle for r in outputs),
+                    report,
+                    repeat,
                 ),
             ),
             needs=[loaded, *(self.arrays.get(h) for h in handles)],
@@ -1126,6 +1144,22 @@ class StreamProgress:
                 return
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(changed.wait(), left)
+
+
+def _check_repeat(program: Program, repeat: int) -> None:
+    """Raises unless `program` can run `repeat` times in a row, each run on the outputs
+    of the one before."""
+    if repeat > MAX_REPEAT:
+        raise InvalidRequestError(
+            f"a call may repeat at most {MAX_REPEAT:,} times, not {repeat:,}; split the chain"
+        )
+    if list(program.outputs) != list(program.inputs):
+        raise InvalidRequestError(
+            f"program {program.name} ({program.program_id[:12]}) cannot repeat: each run "
+            "takes the previous run's outputs, and its outputs "
+            f"{[str(s) for s in program.outputs]} do not match its inputs "
+            f"{[str(s) for s in program.inputs]}"
+        )
 
 
 def _numbered(need: ArrayRecord | Ticket) -> bool:

@@ -551,7 +551,7 @@ class ControllerServicer(pb_grpc.ControllerServicer):
                         "new tag for each stream"
                     )
                 yield prefix
-            specs = [(c.program_id, list(c.inputs), list(c.outputs)) for c in batch.calls]
+            specs = [(c.program_id, list(c.inputs), list(c.outputs), c.repeat) for c in batch.calls]
             metrics.STREAM_MESSAGES.inc()
             metrics.STREAM_CALLS.inc(len(specs))
             try:

@@ -921,6 +921,8 @@ _ABSENT = (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.NOT_FOUND)
 
 # A client holds at most this many calls queued and not yet sent before a call waits.
 MAX_QUEUED_CALLS = 10_000
+# The most calls one `Program.chain` may make (the controller's limit on a call's runs).
+MAX_CHAIN = 1_000_000
 # The longest a wait or fetch waits for the controller to confirm the calls before it.
 CONFIRM_TIMEOUT_S = 60.0
 
@@ -972,22 +974,20 @@ class CallStream:
     def chain(
         self, program_id: str, inputs: Sequence[str], n: int, outputs: int
     ) -> tuple[list[str], int]:
-        """Queues `n` calls in one batch, each on the previous one's outputs, and the
-        deletes of all outputs but the last call's; returns those and the batch."""
+        """Queues `n` calls, each on the previous one's outputs, as one call of `n` runs
+        (the workers launch them back to back; only the last one's outputs are kept);
+        returns the handles of those outputs and the batch."""
         with self._cond:
             self._check_open()
-            batch = self.sent + 1
-            for k in range(n):
-                names = [f"{self._prefix}{next(self._names)}" for _ in range(outputs)]
-                self._calls.append(
-                    pb.StreamCall(program_id=program_id, inputs=inputs, outputs=names)
-                )
-                if k:
-                    self._deletes.extend(inputs)
-                inputs = names
-            self.calls += n
+            while len(self._calls) >= MAX_QUEUED_CALLS and not self._ended:
+                self._cond.wait(1.0)
+            names = [f"{self._prefix}{next(self._names)}" for _ in range(outputs)]
+            self._calls.append(
+                pb.StreamCall(program_id=program_id, inputs=inputs, outputs=names, repeat=n)
+            )
+            self.calls += 1
             self._cond.notify_all()
-        return names, batch
+            return names, self.sent + 1
 
     def delete(self, handles: Sequence[str]) -> int:
         """Queues deletes, to go out after the calls queued before them."""
@@ -1145,15 +1145,19 @@ class Program:
         return outs[0] if len(outs) == 1 else tuple(outs)
 
     def chain(self, n: int, *args: Any) -> Any:
-        """Queues `n` calls in one message of the gang's call stream, each fed the
-        previous call's outputs (the first gets `args`); returns the last call's outputs
-        (the others are deleted once read). Outputs must match inputs."""
+        """Queues `n` calls, each fed the previous call's outputs (the first gets
+        `args`), as one call of `n` runs on the gang's call stream: the workers launch
+        them back to back, with no message per call, and keep only the last call's
+        outputs, which this returns. Outputs must match inputs; at most 1,000,000 runs.
+        An error names the run that failed."""
         if len(self.outputs) != len(self.inputs) or self.outputs != self.inputs:
             raise InvalidRequestError(
                 f"chain needs a program whose outputs match its inputs; {self!r} does not"
             )
-        if n < 1:
-            raise InvalidRequestError(f"chain needs at least one call, not {n}")
+        if not 1 <= n <= MAX_CHAIN:
+            raise InvalidRequestError(
+                f"chain needs 1 to {MAX_CHAIN:,} calls, not {n:,}; split a longer chain"
+            )
         inputs = [self._as_remote(i, a) for i, a in enumerate(args)]
         self._check_call(inputs)
         stream = self.gang.calls()

@@ -44,7 +44,7 @@ class HostWorker:
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
         self.gang_id = gang_id
         self.process_id = process_id
-        self.runtime = JaxRuntime(gang, process_id)
+        self.runtime = JaxRuntime(gang, process_id, window=window)
         self.spans = SpanRecorder()
         self._token = token
         self._channel: WorkerEnd | None = None  # once the gang is formed

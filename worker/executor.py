@@ -72,6 +72,13 @@ def op_kind(op: Op) -> str:
     return type(op).__name__.removesuffix("Op").lower()
 
 
+def _has_runs(op: Op) -> bool:
+    """A call of several runs (ExecOp.repeat), which keeps the window to itself: its
+    runs are launched back to back, up to `window` of them unfinished at once, once the
+    programs before it have finished."""
+    return getattr(op, "repeat", 1) > 1
+
+
 def _is_ready(pending: Pending) -> bool:
     ready = getattr(pending, "ready", None)
     return bool(ready is not None and ready())
@@ -237,7 +244,7 @@ class InOrderExecutor:
                 # block for long (or for ever, on a host stuck in a collective): the
                 # channel sends what is reported within its bound whatever this thread
                 # then does.
-                while self._in_flight and self._in_flight[0].done.is_set():
+                while self._in_flight and (self._in_flight[0].done.is_set() or _has_runs(ready[0])):
                     self._retire_oldest()
                 self._launch(*ready)
 

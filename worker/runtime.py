@@ -81,9 +81,13 @@ class _Outputs:
 class JaxRuntime:
     """One process's view of a gang: its devices, meshes, programs and arrays."""
 
-    def __init__(self, gang: GangShape, process_id: int) -> None:
+    def __init__(self, gang: GangShape, process_id: int, *, window: int = 3) -> None:
         self.gang = gang
         self.process_id = process_id
+        # The most programs launched and not finished at once (the executor's window):
+        # the runs of a repeated call keep to it among themselves, the executor having
+        # let the programs before the call finish first.
+        self.window = window
         self.buffers = BufferTable()
         self._meshes: dict[MeshSpec, Any] = {}
         self._programs: dict[str, _Program] = {}
@@ -458,12 +462,7 @@ class JaxRuntime:
         program = self._programs.get(op.program_id)
         if program is None:
             raise RuntimeError(f"program {op.program_id[:12]} was never loaded on this worker")
-        args = []
-        for handle, want in zip(op.inputs, program.in_shardings, strict=True):
-            arg = self.buffers.get(handle)
-            if want is not None and not arg.sharding.is_equivalent_to(want, arg.ndim):
-                arg = jax.device_put(arg, want)
-            args.append(arg)
+        args = self._conform(program, [self.buffers.get(h) for h in op.inputs])
         if program.called:
             outputs = self._call(program, args)
         else:
@@ -482,6 +481,8 @@ class JaxRuntime:
             finally:
                 self.compiling = ""
                 program.called = True
+        if op.repeat > 1:
+            outputs = self._repeat(program, op.repeat, outputs)
         if len(outputs) != len(op.outputs):
             raise RuntimeError(
                 f"program returned {len(outputs)} arrays, controller expected {len(op.outputs)}"
@@ -490,6 +491,54 @@ class JaxRuntime:
             self.buffers.put(handle, array)
         report = [outputs[i] for i in op.report] if self.process_id == 0 else []
         return _Outputs(outputs, report)
+
+    def _repeat(self, program: _Program, runs: int, first: list[Any]) -> list[Any]:
+        """Runs 2..`runs` of a repeated call, each on the outputs of the one before,
+        launched back to back with at most `window` of them unfinished (as a
+        multi-controller loop does); returns the last run's outputs, every run before it
+        finished (the executor counts the call as one program in flight from here)."""
+        from collections import deque
+
+        unfinished: deque[tuple[int, list[Any]]] = deque([(1, first)])
+        outputs = first
+        # Laid out as the program takes them (the usual case), they stay so from run to
+        # run: checked for the second run, not for every one.
+        conform = True
+
+        def finish_oldest() -> None:
+            run, arrays = unfinished.popleft()
+            try:
+                for a in arrays:
+                    a.block_until_ready()
+            except Exception as exc:
+                raise RuntimeError(f"run {run} of {runs} failed: {exc}") from exc
+
+        for run in range(2, runs + 1):
+            if len(unfinished) >= self.window:
+                finish_oldest()
+            try:
+                args = self._conform(program, outputs) if conform else outputs
+                conform = args is not outputs
+                outputs = self._call(program, args)
+            except Exception as exc:
+                raise RuntimeError(f"run {run} of {runs} failed: {exc}") from exc
+            unfinished.append((run, outputs))
+        while len(unfinished) > 1:
+            finish_oldest()
+        return outputs
+
+    @staticmethod
+    def _conform(program: _Program, arrays: list[Any]) -> list[Any]:
+        """The arrays laid out as the program takes them (moved where they are not);
+        `arrays` itself when all of them are already."""
+        import jax
+
+        args = []
+        for arg, want in zip(arrays, program.in_shardings, strict=True):
+            if want is not None and not arg.sharding.is_equivalent_to(want, arg.ndim):
+                arg = jax.device_put(arg, want)
+            args.append(arg)
+        return arrays if all(a is b for a, b in zip(args, arrays, strict=True)) else args
 
     @staticmethod
     def _call(program: _Program, args: list[Any]) -> list[Any]:

@@ -39,13 +39,16 @@ class LoadOp:
 class ExecOp:
     """Call a loaded program on stored arrays and store its outputs. The values of the
     outputs listed in `report` (small, replicated ones, e.g. a training step's metrics)
-    come back with the completion, from process 0: no fetch needed."""
+    come back with the completion, from process 0: no fetch needed. With `repeat` > 1
+    the program runs that many times, each run on the previous run's outputs, and only
+    the last run's outputs are stored (a chain of calls as one operation)."""
 
     seq: int
     program_id: str
     inputs: tuple[str, ...]
     outputs: tuple[str, ...]
     report: tuple[int, ...] = ()
+    repeat: int = 1
 
 
 @dataclass(frozen=True)

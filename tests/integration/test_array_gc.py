@@ -78,7 +78,7 @@ def test_dropping_the_input_of_queued_calls_is_safe(setup):
     outs = [step(a) for _ in range(50)]  # queued; some may not have run yet
     del a
     assert gang.flush_deletes() == 1
-    # Its 19 intermediate outputs are deleted by the chain itself, in the same message.
+    # A chain is one call of 20 runs: none of its intermediate outputs is ever kept.
     last = step.chain(20, outs[-1])
     uploaded = step(values)  # the upload of `values` is dropped at once
     assert gang.flush_deletes() == 1

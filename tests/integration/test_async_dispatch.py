@@ -52,8 +52,11 @@ def test_back_pressure_bounds_programs_in_flight_on_every_host(two_slices):
     x = gang.put(np.zeros(8, np.float32), mesh.sharding(("slice", "chip")))
     inc = gang.compile(jax.jit(lambda a: a + 1), x)
     before = gang.stats()
-    # One request: all CHAIN calls reach the controller together, many times the window.
-    last = inc.chain(CHAIN, x)
+    # Back to back: the CHAIN calls reach the controller in a few messages, many times
+    # the window.
+    last = x
+    for _ in range(CHAIN):
+        last = inc(last)
     np.testing.assert_array_equal(last.fetch(timeout=120), np.full(8, CHAIN, np.float32))
 
     def settled():
@@ -73,8 +76,18 @@ def test_a_chain_of_calls_in_one_request(two_slices):
     mesh = gang.mesh()
     x = gang.put(np.zeros(8, np.float32), mesh.sharding(("slice", "chip")))
     inc = gang.compile(jax.jit(lambda a: a + 1), x)
+    warm = inc(x).block_until_ready()  # its load is numbered and done
+    before = gang.stats()
     last = inc.chain(128, x)
     np.testing.assert_array_equal(last.fetch(), np.full(8, 128, np.float32))
+    # One operation of 128 runs for the workers, and one array: the last run's.
+    after = gang.stats()
+    assert after.dispatched - before.dispatched == 2, (before, after)  # the chain, the fetch
+    held = [(w.arrays - v.arrays) for w, v in zip(after.workers, before.workers, strict=True)]
+    assert held == [1, 1], (before, after)
+    del warm
+    with pytest.raises(slicewise.InvalidRequestError, match="1 to 1,000,000 calls"):
+        inc.chain(0, x)
     double = gang.compile(jax.jit(lambda a, b: (a * 2, a + b)), x, x)
     first, second = gang.execute_batch(
         [

@@ -306,6 +306,12 @@ def hints(pool: Pool, program_bytes: int) -> dict[str, st.SearchStrategy[Any]]:
             st.integers(program_bytes - 2, program_bytes + 2),
             st.sampled_from([0, -1, 2**31 - 1, 2**31, -(2**63)]),
         ),
+        # Chains of up to a few runs, and counts the controller refuses: a valid count
+        # in between (up to a million runs of the campaign's program) would only keep
+        # its gang busy for minutes, which a client may ask of its own gang.
+        "StreamCall.repeat": st.one_of(
+            st.integers(0, 3), st.sampled_from([1_000_001, 2**31, 2**32 - 1])
+        ),
         "ArraySpec.shape": st.one_of(
             st.integers(-2, 16), st.integers(-(2**63), 2**63 - 1), st.sampled_from([2**31, 2**62])
         ),

@@ -175,7 +175,8 @@ def test_two_clients_ask_for_three_of_four_slices_at_once(sched_controller, ray_
 # the calls in flight at either end of the count (the gang numbers up to 32 ahead) cannot
 # move the ratio by more than a few percent.
 SHARED_PROGRAMS = 2000
-# Calls per request, and requests a client keeps unfinished: far more work queued than
+# Calls per burst (each on the one before: a call each, not a chain, which would be one
+# operation), and bursts a client keeps unfinished: far more work queued than
 # the gang can run, with a deep reserve so that the client thread, on a busy 2-core
 # machine, is never the one that runs dry (its share is then its weight's, not its
 # submission rate's).
@@ -201,7 +202,8 @@ def test_a_shared_gang_interleaves_two_clients_by_weight(sched_controller):
             ready.wait(timeout=240)
             outstanding = [y]
             while not stop.is_set():
-                y = step.chain(CHAIN_CALLS, y)
+                for _ in range(CHAIN_CALLS):  # back to back: they travel together
+                    y = step(y)
                 out[name]["calls"] += CHAIN_CALLS
                 outstanding.append(y)
                 if len(outstanding) > 2 * RESERVE:

@@ -13,7 +13,7 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec
 
 from controller.arrays import ArrayState
-from controller.core import Controller
+from controller.core import MAX_REPEAT, Controller
 from slicewise.common.arrays import ArraySpec
 from slicewise.common.errors import (
     FailedPreconditionError,
@@ -21,6 +21,7 @@ from slicewise.common.errors import (
     ProgramMismatchError,
 )
 from slicewise.common.mesh import MeshSpec
+from slicewise.common.ops import ExecOp
 from tests.unit.fake_cluster import Clock, FakeCluster
 
 TIMEOUT = 60.0
@@ -42,8 +43,11 @@ def run(scenario: Any) -> Any:
 
 
 async def gang_with(serialized: bytes) -> tuple[Controller, str, str, str]:
-    """A controller with a one-slice gang, plus_one registered, and one ready array."""
-    controller = Controller(backend=FakeCluster(V4), clock=Clock(), simulated=True)
+    """A controller with a one-slice gang, plus_one registered, and one ready array
+    (its cluster is `controller.test_cluster`)."""
+    cluster = FakeCluster(V4)
+    controller = Controller(backend=cluster, clock=Clock(), simulated=True)
+    controller.test_cluster = cluster  # type: ignore[attr-defined]
     await controller.refresh_inventory()
     _, gang_id = await controller.allocate(1, V4)
     program = await controller.register_program(gang_id, "plus_one", MESH, serialized)
@@ -158,3 +162,56 @@ def test_a_wait_naming_a_batch_still_on_its_way_waits_for_it(plus_one):
     assert not early and done
     assert states == [ArrayState.READY]
     assert streams == 0  # nothing kept of the stream once it ended
+
+
+def test_a_call_of_several_runs_is_one_operation_with_only_the_last_outputs(plus_one):
+    async def scenario() -> tuple[list[Any], list[Any], list[Any], int]:
+        controller, gang_id, program, x = await gang_with(plus_one)
+        last = f"{gang_id}/cr.1"
+        before = len(controller.arrays)
+        refused = controller.stream_calls(gang_id, [(program, [x], [last], 128)])
+        await controller.wait([last], TIMEOUT)
+        sent = [
+            op
+            for channel in controller.test_cluster.channels
+            for op in channel.sent
+            if isinstance(op, ExecOp)
+        ]
+        return refused, sent, [controller.arrays.get(last).state], len(controller.arrays) - before
+
+    refused, sent, states, added = run(scenario())
+    assert refused == [] and states == [ArrayState.READY] and added == 1
+    # One operation per worker, naming the runs and only the last run's outputs.
+    assert [(op.repeat, op.outputs) for op in sent] == [(128, sent[0].outputs)] * len(sent)
+    assert len({op.seq for op in sent}) == 1 and sent[0].outputs[0].endswith("/cr.1")
+
+
+@pytest.mark.parametrize(
+    "repeat, why",
+    [
+        (MAX_REPEAT + 1, "at most 1,000,000 times"),
+        (2, "cannot repeat: each run takes the previous run's outputs"),
+    ],
+)
+def test_runs_a_program_cannot_make_are_refused(plus_one, repeat, why):
+    async def scenario() -> tuple[list[Any], Any]:
+        controller, gang_id, program, x = await gang_with(plus_one)
+        if repeat == 2:  # a program whose output is not what it takes
+            aval = jax.ShapeDtypeStruct(
+                (8,), jnp.int32, sharding=NamedSharding(MESH.abstract(), PartitionSpec())
+            )
+            widen = jax.export.export(jax.jit(lambda a: a.astype(jnp.float32)), platforms=["cpu"])(
+                aval
+            )
+            registered = await controller.register_program(
+                gang_id, "widen", MESH, bytes(widen.serialize())
+            )
+            program = registered.program_id
+        out = f"{gang_id}/cr.1"
+        refused = controller.stream_calls(gang_id, [(program, [x], [out], repeat)])
+        return refused, controller.arrays.get(out)
+
+    refused, record = run(scenario())
+    assert len(refused) == 1 and isinstance(refused[0][1], InvalidRequestError)
+    assert why in str(refused[0][1])
+    assert record.state is ArrayState.FAILED and why in record.error

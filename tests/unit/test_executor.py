@@ -476,3 +476,18 @@ def test_work_done_at_launch_is_finished_on_the_executor_thread_in_order(start):
     assert ran_ms(first[0]) == (0, 10)
     assert ran_ms(second) == (10, 50) and ran_ms(third)[1] == 50
     assert executor.max_in_flight == 2
+
+
+def test_a_call_of_several_runs_launches_once_the_programs_before_it_finished(start):
+    """Its runs go back to back with the window to themselves (worker/runtime.py)."""
+    device = FakeDevice(gated=True)
+    executor = start(device, window=3)
+    futures = executor.submit([op(1), ExecOp(2, "prog", ("x",), ("y",), repeat=4), op(3)])
+    device.wait_launched(1)
+    assert device.stays_unlaunched(2)  # a window of 3, but op 1 is still running
+    device.open(1)
+    device.wait_launched(2)
+    device.open(2)
+    device.wait_launched(3)  # an ordinary op after it goes as usual
+    device.open(3)
+    assert [f.result(timeout=TIMEOUT).error for f in futures] == [None, None, None]

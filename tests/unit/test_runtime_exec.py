@@ -1,0 +1,55 @@
+"""The worker runtime's ExecOp on a real mesh of 8 CPU devices in one process (tier b):
+a call of several runs (a chain) launches the program that many times, each run on the
+previous run's outputs, keeps only the last run's outputs and reports their values."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec
+
+from slicewise.common.mesh import GangShape, MeshSpec, ShardingSpec
+from slicewise.common.ops import ExecOp, LoadOp
+from worker.runtime import JaxRuntime
+
+GANG = GangShape(2, 1, 4)
+MESH = MeshSpec.build({"slice": 2}, {"chip": 4})
+SPLIT = ShardingSpec(MESH, (("slice", "chip"),))
+
+
+def exported(fn, dtype=jnp.float32) -> bytes:
+    aval = jax.ShapeDtypeStruct(
+        (8,), dtype, sharding=NamedSharding(MESH.abstract(), PartitionSpec(("slice", "chip")))
+    )
+    return bytes(jax.export.export(jax.jit(fn), platforms=["cpu"])(aval).serialize())
+
+
+@pytest.fixture
+def runtime():
+    rt = JaxRuntime(GANG, 0)
+    # What initialize() finds in a one-process "gang": every device is local.
+    rt._devices = sorted(jax.devices(), key=lambda d: d.id)
+    rt.buffers.put("x", jax.device_put(np.arange(8, dtype=np.float32), rt.named_sharding(SPLIT)))
+    return rt
+
+
+def test_a_call_of_n_runs_gives_the_nth_run_and_keeps_nothing_else(runtime):
+    runtime.apply(LoadOp(1, "p", exported(lambda a: a * 2 + 1), MESH, "double_plus_one"))
+    pending = runtime.apply(ExecOp(2, "p", ("x",), ("y",), report=(0,), repeat=5))
+    (value,) = pending.wait()
+    want = np.arange(8, dtype=np.float32)
+    for _ in range(5):
+        want = want * 2 + 1
+    np.testing.assert_array_equal(np.asarray(runtime.buffers.get("y")), want)
+    np.testing.assert_array_equal(value, want[:1])  # process 0's first shard
+    assert len(runtime.buffers) == 2  # x and y: no run before the last is kept
+
+
+def test_a_run_that_fails_is_named(runtime):
+    # A program whose output cannot be its input: the second run cannot start.
+    runtime.apply(LoadOp(1, "p", exported(lambda a: a[:4]), MESH, "halve"))
+    with pytest.raises(RuntimeError, match="run 2 of 3 failed"):
+        runtime.apply(ExecOp(2, "p", ("x",), ("y",), repeat=3))
+    assert len(runtime.buffers) == 1  # x only
