@@ -102,16 +102,26 @@ def loss_fn(layer, r):
     return jit(jax.value_and_grad(loss, (0, 1), has_aux=True))
 
 
+def inputs_for(cfg: MoELayerConfig, num_experts: int):
+    return make_inputs(seed=cfg.k * 10 + num_experts, tokens=TOKENS, num_experts=num_experts)
+
+
+@functools.cache
+def unsharded_reference(cfg: MoELayerConfig, num_experts: int):
+    """The unsharded layer's outputs, stats and gradients on `inputs_for(cfg, E)`: the
+    same for every mesh and strategy, so computed (and compiled) once per routing."""
+    params, x, r = inputs_for(cfg, num_experts)
+    return loss_fn(lambda p, x: moe_layer(p, x, cfg), r)(params, x)
+
+
 def check_against_unsharded(layout: Layout, strategy: str, cfg: MoELayerConfig, num_experts: int):
-    params, x, r = make_inputs(
-        seed=cfg.k * 10 + num_experts, tokens=TOKENS, num_experts=num_experts
-    )
+    params, x, r = inputs_for(cfg, num_experts)
     mesh, ep = layout.mesh(), layout.ep(strategy)
 
     (_, (y, stats)), grads = loss_fn(lambda p, x: sharded_moe_layer(p, x, cfg, mesh, ep), r)(
         params, x
     )
-    (_, (ref_y, ref_stats)), ref_grads = loss_fn(lambda p, x: moe_layer(p, x, cfg), r)(params, x)
+    (_, (ref_y, ref_stats)), ref_grads = unsharded_reference(cfg, num_experts)
 
     assert y.sharding.is_equivalent_to(NamedSharding(mesh, P(ep.token_axes, None)), 2)
     assert_close(y, ref_y, "y")
