@@ -224,6 +224,111 @@ class RawSocketSink:
         self.close()
 
 
+# One side of RawExchange: a process that opens `streams` connections to its peer and
+# accepts as many from it; on "go N" it sends N bytes over its connections (N / streams
+# each, one thread per connection, from a buffer written once) while it receives as many
+# on the accepted ones, and says "done". Received bytes land in one reused 16-MiB buffer
+# per connection.
+_EXCHANGE_PEER = r"""
+import socket, sys, threading
+streams = int(sys.argv[1])
+server = socket.create_server(("127.0.0.1", 0), backlog=streams)
+print(server.getsockname()[1], flush=True)
+peer = int(sys.stdin.readline())
+outgoing = [socket.create_connection(("127.0.0.1", peer)) for _ in range(streams)]
+incoming = [server.accept()[0] for _ in range(streams)]
+for c in outgoing + incoming:
+    c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+payload = memoryview(bytearray(0))
+buffers = [memoryview(bytearray(16 * 2**20)) for _ in incoming]
+print("ready", flush=True)
+
+def send(conn, n):
+    conn.sendall(payload[:n])
+
+def receive(conn, view, n):
+    while n:
+        got = conn.recv_into(view[:min(n, len(view))])
+        if got == 0:
+            raise EOFError("the peer closed its connection")
+        n -= got
+
+for line in sys.stdin:
+    each = int(line.split()[1]) // streams
+    if len(payload) < each:  # written once: sent from real pages, not the zero page
+        payload = memoryview(bytearray(b"Z") * each)
+    threads = [threading.Thread(target=send, args=(c, each)) for c in outgoing]
+    threads += [
+        threading.Thread(target=receive, args=(c, b, each))
+        for c, b in zip(incoming, buffers)
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    print("done", flush=True)
+"""
+
+
+class RawExchange:
+    """Two processes that swap bytes over raw loopback TCP, each sending to the other
+    over `streams` connections at once: the same streams a slice-to-slice `ppermute`
+    uses between two simulated hosts (4 gloo connections each way, measured with
+    `ss -tnpi` around one swap), with nothing but the kernel in between."""
+
+    def __init__(self, streams: int) -> None:
+        self._procs = [
+            subprocess.Popen(
+                [sys.executable, "-c", _EXCHANGE_PEER, str(streams)],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                text=True,
+            )
+            for _ in range(2)
+        ]
+        ports = [self._read(p) for p in self._procs]
+        for proc, port in zip(self._procs, reversed(ports), strict=True):
+            self._write(proc, port)
+        for proc in self._procs:
+            if self._read(proc) != "ready":
+                raise RuntimeError("a raw exchange peer did not get ready")
+
+    @staticmethod
+    def _read(proc: subprocess.Popen) -> str:
+        assert proc.stdout is not None
+        line = proc.stdout.readline().strip()
+        if not line:
+            raise RuntimeError(f"a raw exchange peer exited ({proc.poll()})")
+        return line
+
+    @staticmethod
+    def _write(proc: subprocess.Popen, value: Any) -> None:
+        assert proc.stdin is not None
+        proc.stdin.write(f"{value}\n")
+        proc.stdin.flush()
+
+    def swap(self, nbytes_each_way: int) -> float:
+        """Seconds for both processes to send `nbytes_each_way` to the other at once."""
+        started = time.perf_counter()
+        for proc in self._procs:
+            self._write(proc, f"go {nbytes_each_way}")
+        for proc in self._procs:
+            if self._read(proc) != "done":
+                raise RuntimeError("a raw exchange peer did not finish")
+        return time.perf_counter() - started
+
+    def close(self) -> None:
+        for proc in self._procs:
+            proc.kill()
+            proc.wait(timeout=10)
+
+    def __enter__(self) -> RawExchange:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
 def size_label(nbytes: int) -> str:
     return f"{nbytes // 2**30} GiB" if nbytes >= 2**30 else f"{nbytes // 2**20} MiB"
 
