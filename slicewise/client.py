@@ -959,31 +959,19 @@ class CallStream:
         self._reader = threading.Thread(target=self._read, name=f"calls-{gang.id}", daemon=True)
         self._reader.start()
 
-    def call(self, program_id: str, inputs: Sequence[str], outputs: int) -> tuple[list[str], int]:
-        """Queues a call; returns the handles of its outputs and its batch's number."""
-        with self._cond:
-            self._check_open()
-            while len(self._calls) >= MAX_QUEUED_CALLS and not self._ended:
-                self._cond.wait(1.0)
-            names = [f"{self._prefix}{next(self._names)}" for _ in range(outputs)]
-            self._calls.append(pb.StreamCall(program_id=program_id, inputs=inputs, outputs=names))
-            self.calls += 1
-            self._cond.notify_all()
-            return names, self.sent + 1
-
-    def chain(
-        self, program_id: str, inputs: Sequence[str], n: int, outputs: int
+    def call(
+        self, program_id: str, inputs: Sequence[str], outputs: int, repeat: int = 1
     ) -> tuple[list[str], int]:
-        """Queues `n` calls, each on the previous one's outputs, as one call of `n` runs
-        (the workers launch them back to back; only the last one's outputs are kept);
-        returns the handles of those outputs and the batch."""
+        """Queues a call (with `repeat` > 1, a chain: that many runs, each on the
+        previous one's outputs, of which only the last one's are kept); returns the
+        handles of its outputs and its batch's number."""
         with self._cond:
             self._check_open()
             while len(self._calls) >= MAX_QUEUED_CALLS and not self._ended:
                 self._cond.wait(1.0)
             names = [f"{self._prefix}{next(self._names)}" for _ in range(outputs)]
             self._calls.append(
-                pb.StreamCall(program_id=program_id, inputs=inputs, outputs=names, repeat=n)
+                pb.StreamCall(program_id=program_id, inputs=inputs, outputs=names, repeat=repeat)
             )
             self.calls += 1
             self._cond.notify_all()
@@ -1163,7 +1151,7 @@ class Program:
         stream = self.gang.calls()
         stream.check([a.handle for a in inputs])
         self.gang._flush_due()
-        names, batch = stream.chain(self.id, [a.handle for a in inputs], n, len(self.outputs))
+        names, batch = stream.call(self.id, [a.handle for a in inputs], len(self.outputs), repeat=n)
         outs = self._outputs(names, batch)
         return outs[0] if len(outs) == 1 else tuple(outs)
 
