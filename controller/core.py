@@ -231,8 +231,10 @@ class Controller:
             return
         archived = self._archiving.setdefault(gang.gang_id, asyncio.Event())
         try:
-            # A failed gang's lost workers never answer, and a job waits to recover.
-            wait = 1.0 if gang.state is GangState.FAILED else 5.0
+            # A failed gang's lost workers never answer, and a job waits to recover. A
+            # live worker answers in milliseconds, but under load 5 s was once too few
+            # and its host was missing from the archived trace.
+            wait = 1.0 if gang.state is GangState.FAILED else 15.0
             share = self.timelines.share(gang.shape.num_processes + 1)
             hosts = await gang.collect_spans(timeout_s=wait, last=share)
             await self.manager.release(gang_id, why, requeue=requeue)
