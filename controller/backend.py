@@ -82,6 +82,10 @@ class Worker(Protocol):
 
     async def drop_pin(self, pin_id: str) -> None: ...
 
+    async def prepare_stash(self, name: str) -> None:
+        """Starts a stash actor on the worker's host for a later `stash_state`."""
+        ...
+
     async def stash_state(self, name: str, handles: list[str]) -> int:
         """Copies the worker's pieces of the arrays into a stash on its host (worker/stash.py)."""
         ...
@@ -197,6 +201,9 @@ class _Actor:
 
     async def drop_pin(self, pin_id: str) -> None:
         await self.actor.drop_pin.remote(pin_id)
+
+    async def prepare_stash(self, name: str) -> None:
+        await self.actor.prepare_stash.remote(name)
 
     async def stash_state(self, name: str, handles: list[str]) -> int:
         return await self.actor.stash_state.remote(name, handles)

@@ -118,6 +118,9 @@ class Gang:
         self._token = ""  # the secret every worker connection shows (made in _form)
         self._workers: list[Worker] = []
         self._channels: list[Channel] = []
+        # Stash actors started on the gang's hosts (a peer-recovering job's), dropped when
+        # the gang stops unless handed over to the next gang (`hand_over_stashes`).
+        self._stashes: set[str] = set()
         self._stopping: asyncio.Future[None] | None = None
         self._stopping_to: GangState | None = None
         self._watchers: set[asyncio.Queue[tuple[str, str]]] = set()
@@ -420,11 +423,24 @@ class Gang:
             self.failed_at = time.time()
             self.publish("failed", reason)
 
+    async def prepare_stashes(self, names: Sequence[str]) -> None:
+        """Starts stash actor `names[p]` on the host of worker p, for every worker."""
+        self._stashes.update(names)
+        await asyncio.gather(
+            *(w.prepare_stash(name) for w, name in zip(self._workers, names, strict=True))
+        )
+
     async def stash_state(self, process_id: int, name: str, handles: list[str]) -> int:
         """Has one worker copy its pieces of the arrays into a stash on its host."""
+        self._stashes.add(name)
         return await self._workers[process_id].stash_state(name, handles)
 
+    def hand_over_stashes(self, names: Sequence[str]) -> None:
+        """The stashes `names` outlive this gang (a recovery reads them on the next one)."""
+        self._stashes.difference_update(names)
+
     def drop_stash(self, name: str) -> None:
+        self._stashes.discard(name)
         self._backend.drop_stash(name)
 
     def kill_worker(self, process_id: int) -> None:
@@ -574,6 +590,9 @@ class Gang:
             for worker in self._workers:
                 with contextlib.suppress(Exception):
                     self._backend.kill(worker)
+            for name in sorted(self._stashes):
+                with contextlib.suppress(Exception):
+                    self.drop_stash(name)
             if self._reservation is not None:
                 with contextlib.suppress(Exception):
                     self._backend.remove(self._reservation)

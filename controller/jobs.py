@@ -539,6 +539,11 @@ class JobRunner:
         it, and with them its jax.distributed cluster); `_run` then takes a new gang
         (never on a host found lost) and restores the newest committed step, as a
         preempted job does."""
+        # A replica is stashed at once, while the hosts are checked: on the simulation a
+        # surviving worker may abort soon after its peer died (HostWorker.stash_state).
+        stashing = None
+        if job.spec.peer_recovery and job.step in job.live_states:
+            stashing = self._stash_everywhere(job, gang)
         lost = await self.controller.manager.check_hosts(gang)
         if lost:
             hosts = ", ".join(f"host {h} of slice {name}" for name, h in lost)
@@ -546,8 +551,8 @@ class JobRunner:
                 f"{hosts} lost (its raylet does not answer: the host is down or "
                 f"unreachable); {cause}"
             )
-        if job.spec.peer_recovery and job.step in job.live_states:
-            job.peer = await self._stash_replica(job, gang, {name for name, _ in lost})
+        if stashing is not None:
+            job.peer = await self._pick_replica(job, gang, stashing, {name for name, _ in lost})
         job.failures += 1
         fault_at = max((f.fired_at for f in job.faults if f.fired_at), default=0.0)
         job.recoveries.append(
@@ -628,40 +633,66 @@ class JobRunner:
             if not fault.fired_at and fault.kind != "hang-collective" and fault.at_step <= job.step:
                 await chaos.fire(fault, self.controller, gang)
 
-    async def _stash_replica(self, job: Job, gang: Gang, lost: set[str]) -> PeerSource | None:
-        """Has the workers of one surviving slice copy the input state of the job's next
-        step into stashes on their hosts (worker/stash.py), before the failed gang goes;
-        None when no slice could (the job then restores its newest checkpoint)."""
+    def _stash_names(self, job: Job, gang: Gang) -> list[str]:
+        """The stash actor of each worker of the gang, for the job (worker/stash.py)."""
+        prefix = f"slicewise-stash-{job.job_id}-{gang.gang_id}-e{gang.epoch}"
+        return [f"{prefix}-p{p}" for p in range(gang.shape.num_processes)]
+
+    def _stash_everywhere(self, job: Job, gang: Gang) -> list[asyncio.Future[list[Any]]]:
+        """Has the workers of every slice copy the input state of the job's next step into
+        the stashes on their hosts (worker/stash.py), all at once; one future per slice,
+        of its workers' results (bytes stashed, or the exception)."""
         handles = job.live_states[job.step]
+        names = self._stash_names(job, gang)
         per_slice = gang.shape.hosts_per_slice
-        for index, piece in enumerate(gang.slices):
-            if piece.name in lost:
-                continue
-            processes = range(index * per_slice, (index + 1) * per_slice)
-            names = [f"slicewise-stash-{job.job_id}-{gang.gang_id}-p{p}" for p in processes]
-            results = await asyncio.gather(
-                *(
-                    asyncio.wait_for(gang.stash_state(p, name, handles), STASH_TIMEOUT_S)
-                    for p, name in zip(processes, names, strict=True)
-                ),
-                return_exceptions=True,
+        return [
+            asyncio.ensure_future(
+                asyncio.gather(
+                    *(
+                        asyncio.wait_for(gang.stash_state(p, names[p], handles), STASH_TIMEOUT_S)
+                        for p in range(index * per_slice, (index + 1) * per_slice)
+                    ),
+                    return_exceptions=True,
+                )
             )
+            for index in range(len(gang.slices))
+        ]
+
+    async def _pick_replica(
+        self, job: Job, gang: Gang, stashing: list[asyncio.Future[list[Any]]], lost: set[str]
+    ) -> PeerSource | None:
+        """The replica of the first slice, not on a lost host, whose workers all stashed
+        theirs; None when no slice could (the job then restores its newest checkpoint).
+        The other slices' stashes go with the failed gang."""
+        names = self._stash_names(job, gang)
+        per_slice = gang.shape.hosts_per_slice
+        chosen = None
+        for index, (piece, attempt) in enumerate(zip(gang.slices, stashing, strict=True)):
+            if chosen is not None or piece.name in lost:
+                attempt.cancel()
+                continue
+            results = await attempt
             failed = [r for r in results if isinstance(r, BaseException)]
-            if not failed:
+            if failed:
                 log.info(
-                    "job %s: slice %s stashed its replica of step %d (%d bytes)",
+                    "job %s: slice %s cannot give its replica: %s",
                     job.job_id,
                     piece.name,
-                    job.step,
-                    sum(r for r in results if isinstance(r, int)),
+                    failed[0],
                 )
-                return PeerSource(job.step, tuple(handles), tuple(names))
+                continue
             log.info(
-                "job %s: slice %s cannot give its replica: %s", job.job_id, piece.name, failed[0]
+                "job %s: slice %s stashed its replica of step %d (%d bytes)",
+                job.job_id,
+                piece.name,
+                job.step,
+                sum(r for r in results if isinstance(r, int)),
             )
-            for name in names:
-                gang.drop_stash(name)
-        return None
+            chosen = names[index * per_slice : (index + 1) * per_slice]
+        if chosen is None:
+            return None
+        gang.hand_over_stashes(chosen)
+        return PeerSource(job.step, tuple(job.live_states[job.step]), tuple(chosen))
 
     async def _restore_from_peer(
         self, job: Job, gang: Gang, specs: Sequence[ArraySpec], shardings: Sequence[ShardingSpec]
@@ -911,6 +942,9 @@ class JobRunner:
                         )
         state_handles = [r.handle for r in state]
         job.live_states = {job.step: state_handles} if spec.peer_recovery else {}
+        if spec.peer_recovery:
+            # Started now, not when a slice fails: an actor takes about a second to start.
+            await gang.prepare_stashes(self._stash_names(job, gang))
         tokens = program.tokens_per_step(config)
         if job.recoveries and job.recoveries[-1].resumed_from is None:
             job.recoveries[-1].resumed_from = job.step

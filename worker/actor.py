@@ -48,6 +48,7 @@ class HostWorker:
         self.spans = SpanRecorder()
         self._token = token
         self._channel: WorkerEnd | None = None  # once the gang is formed
+        self._stashes: dict[str, Any] = {}  # stash actors started here, by name
         self.executor = InOrderExecutor(
             self.runtime.apply,
             window=window,
@@ -182,19 +183,37 @@ class HostWorker:
     def drop_pin(self, pin_id: str) -> None:
         self.runtime.drop_pin(pin_id)
 
+    def prepare_stash(self, name: str) -> None:
+        """Starts the stash actor `name` on this host ahead of any failure (for a job
+        with peer recovery): an actor takes about a second to start, and on the
+        simulation a survivor may not outlive its peer by that much (see stash_state)."""
+        self._stashes[name] = self._new_stash(name)
+
     def stash_state(self, name: str, handles: list[str]) -> int:
-        """Copies this host's pieces of the arrays into a new stash actor `name` on this
-        host (worker/stash.py), out of band: the executor may be stuck in a collective
-        with a lost peer. Returns the bytes stashed."""
+        """Copies this host's pieces of the arrays into the stash actor `name` on this
+        host (worker/stash.py; the one `prepare_stash` started, or a new one), out of band:
+        the executor may be stuck in a collective with a lost peer. Returns the bytes
+        stashed.
+
+        Done as soon as it can be: on XLA:CPU a worker whose peer process died in a
+        collective can abort a few hundred ms later (gloo's "op.preamble.length <=
+        op.nbytes", the README's notes), taking its replica with it."""
+        import ray
+
+        pieces = self.runtime.pieces_of(handles)
+        stash = self._stashes.pop(name, None) or self._new_stash(name)
+        stashed: int = ray.get(stash.put.remote(pieces))
+        return stashed
+
+    def _new_stash(self, name: str) -> Any:
         import ray
 
         from worker.stash import StateStash, stash_options
 
-        pieces = self.runtime.pieces_of(handles)
         node = ray.get_runtime_context().get_node_id()
         stash: Any = ray.remote(StateStash).options(name=name, **stash_options(node)).remote()
-        stashed: int = ray.get(stash.put.remote(pieces))
-        return stashed
+        ray.get(stash.keys.remote())  # started and answering
+        return stash
 
     def bench_loop(self, program_id: str, handles: list[str], n: int, window: int) -> float:
         """The multi-controller baseline of `benchmarks/` (see JaxRuntime.run_loop)."""

@@ -50,11 +50,6 @@ class StateStash:
         return [self._pieces[k] for k in keys]
 
 
-def stash_name(job_id: str, epoch: int, process_id: int) -> str:
-    """The Ray actor name of the stash a surviving worker fills."""
-    return f"slicewise-stash-{job_id}-e{epoch}-p{process_id}"
-
-
 def stash_options(node_id: str) -> dict[str, Any]:
     """Where a stash runs: on the worker's own host (its pieces never cross the network
     to get there), with no resources, detached from the worker that creates it."""

@@ -129,13 +129,13 @@ PEER_ATTEMPTS = 5
 def test_a_slice_lost_with_a_replica_elsewhere_loses_no_step(
     chaos_controller, chaos_client, uninterrupted
 ):
-    """A worker killed while a step's collectives are in flight can take the other one
-    with it: gloo on CPU aborts the process whose peer vanished in the middle of a message
-    ("Received data size doesn't match expected size", std::terminate in its TCP loop; a
-    known bug of the simulation, in the notes). Then no replica survives and the job falls
-    back to its checkpoint, as it should; the scenario is run again, up to PEER_ATTEMPTS
-    times, for a run whose survivor lives. Whenever it lives, the job must recover from
-    it, losing no step."""
+    """A killed worker can take the other one with it a few hundred ms later: gloo on
+    CPU aborts the survivor ("Received data size doesn't match expected size",
+    std::terminate in its TCP loop; a known bug of the simulation, in the README's notes).
+    The survivor's stash is started with the job and filled at once, so it usually lives
+    long enough; when it does not, no replica survives and the job falls back to its
+    checkpoint, as it should, and the scenario is run again, up to PEER_ATTEMPTS times.
+    Whenever the survivor lives, the job must recover from it, losing no step."""
     client = chaos_client
     for attempt in range(1, PEER_ATTEMPTS + 1):
         seed = int.from_bytes(os.urandom(4), "little")

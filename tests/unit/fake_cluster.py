@@ -91,6 +91,9 @@ class FakeWorker:
     async def drop_pin(self, pin_id: str) -> None:
         self.dropped_pins.append(pin_id)
 
+    async def prepare_stash(self, name: str) -> None:
+        return None
+
     async def stash_state(self, name: str, handles: list[str]) -> int:
         return 0
 

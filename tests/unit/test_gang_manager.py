@@ -486,3 +486,20 @@ def test_a_restarted_controller_numbers_gangs_after_the_old_ones_and_says_what_b
     assert "lost when the controller restarted" in errors[kept]
     assert "was released (before the controller restarted)" in errors[ended]
     assert running == [(fresh, "c")]
+
+
+def test_stashes_started_on_a_gang_go_with_it_unless_handed_over():
+    """A peer-recovering job starts a stash actor per host ahead of a failure; those the
+    recovery hands to the next gang outlive this one, the rest are dropped with it."""
+
+    async def scenario():
+        cluster = FakeCluster(V4, V4)
+        manager = await manager_for(cluster)
+        gang, gang_id = await manager.allocate(2, V4, client="a")
+        await gang.prepare_stashes(["s-p0", "s-p1"])
+        gang.hand_over_stashes(["s-p1"])
+        await manager.release(gang_id)
+        return cluster
+
+    cluster = run(scenario())
+    assert [c for c in cluster.calls if c[0] == "drop_stash"] == [("drop_stash", "s-p0")]
