@@ -459,15 +459,10 @@ class Gang:
         seconds.observe((settled_ns - queued_ns) / 1e9)
         if error:
             metrics.FAILURES.labels("operation").inc()
-        self.spans.record(
-            f"dispatch {kind}",
-            "dispatch",
+        self.spans.record_later(
             queued_ns // 1000,
             settled_ns // 1000,
-            thread=f"gang {self.gang_id}",
-            gang=self.gang_id,
-            seq=seq,
-            **({"error": error} if error else {}),
+            functools.partial(_dispatch_span, self.gang_id, kind, seq, error),
         )
 
     def process_names(self) -> list[str]:
@@ -609,6 +604,16 @@ class Gang:
 
 
 @functools.cache
+def _dispatch_span(
+    gang_id: str, kind: str, seq: int, error: str | None
+) -> tuple[str, str, str, dict[str, Any]]:
+    """How an operation's "dispatch" span is described (Gang._observe)."""
+    args: dict[str, Any] = {"gang": gang_id, "seq": seq}
+    if error:
+        args["error"] = error
+    return f"dispatch {kind}", "dispatch", f"gang {gang_id}", args
+
+
 def _op_metrics(kind: str) -> tuple[Any, Any]:
     """The counter and histogram of one kind of operation (`labels()` looks them up
     under a lock, ~10 us a call: once per kind, not twice per operation)."""

@@ -8,6 +8,7 @@ the gang, and their completions, travel on the control channel (channel.py).
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import socket
@@ -16,7 +17,7 @@ from typing import Any
 
 from slicewise.common.framing import Pieces
 from slicewise.common.mesh import GangShape
-from slicewise.common.ops import ExecOp, Op, OpResult
+from slicewise.common.ops import DeleteOp, ExecOp, Op, OpResult
 from slicewise.common.trace import Span, SpanRecorder, now_us
 from worker.channel import WorkerEnd
 from worker.executor import InOrderExecutor
@@ -73,23 +74,36 @@ class HostWorker:
         # The span is the interval the completion reports (what step times are made of).
         # Programs get a row of their own: their spans follow each other on the devices,
         # while the executor thread meanwhile applies the operations queued behind them.
-        name, args = self.runtime.describe(op)
-        if result.error:
-            args["error"] = result.error
-        if launched_ns < result.started_ns:  # it waited for the program before it
-            args["launched_us"] = launched_ns // 1000
-        self.spans.record(
-            name,
-            "execute",
-            result.started_ns // 1000,
-            finished_ns // 1000,
-            thread="programs" if isinstance(op, ExecOp) else "executor",
-            gang=self.gang_id,
-            seq=op.seq,
-            **args,
+        describe = functools.partial(
+            self._describe, op, launched_ns, result.started_ns, result.error
         )
+        if isinstance(op, (ExecOp, DeleteOp)):
+            # The operations of every call: described only if somebody reads the timeline
+            # (they hold a few names; a LoadOp holds a program, kept for no span).
+            self.spans.record_later(result.started_ns // 1000, finished_ns // 1000, describe)
+        else:
+            name, category, thread, args = describe()
+            self.spans.record(
+                name,
+                category,
+                result.started_ns // 1000,
+                finished_ns // 1000,
+                thread=thread,
+                **args,
+            )
         assert self._channel is not None  # operations only come through it
         self._channel.completed(result)
+
+    def _describe(
+        self, op: Op, launched_ns: int, started_ns: int, error: str | None
+    ) -> tuple[str, str, str, dict[str, Any]]:
+        name, args = self.runtime.describe(op)
+        if error:
+            args["error"] = error
+        if launched_ns < started_ns:  # it waited for the program before it
+            args["launched_us"] = launched_ns // 1000
+        thread = "programs" if isinstance(op, ExecOp) else "executor"
+        return name, "execute", thread, {"gang": self.gang_id, "seq": op.seq, **args}
 
     def _on_sent(self, batch: list[OpResult], started_ns: int, finished_ns: int) -> None:
         # One span per frame of completions: the timeline shows how they were batched.

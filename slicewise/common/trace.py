@@ -10,7 +10,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -34,11 +34,31 @@ class Span:
     args: Mapping[str, Any] = field(default_factory=dict)
 
 
+# What a span recorded with `record_later` is made of when it is read: its name,
+# category, thread and args.
+Describe = Callable[[], tuple[str, str, str, dict[str, Any]]]
+
+
+class _Later:
+    """A span not made yet: its interval and how to describe it (see `record_later`)."""
+
+    __slots__ = ("describe", "end_us", "start_us")
+
+    def __init__(self, start_us: int, end_us: int, describe: Describe) -> None:
+        self.start_us, self.end_us, self.describe = start_us, end_us, describe
+
+    def span(self) -> Span:
+        name, category, thread, args = self.describe()
+        return Span(
+            name, category, self.start_us, max(0, self.end_us - self.start_us), thread, args
+        )
+
+
 class SpanRecorder:
     """A thread-safe ring buffer of spans."""
 
     def __init__(self, capacity: int = DEFAULT_CAPACITY) -> None:
-        self._spans: deque[Span] = deque(maxlen=capacity)
+        self._spans: deque[Span | _Later] = deque(maxlen=capacity)
         self._lock = threading.Lock()
 
     def record(
@@ -55,13 +75,24 @@ class SpanRecorder:
         with self._lock:
             self._spans.append(span)
 
+    def record_later(self, start_us: int, end_us: int, describe: Describe) -> None:
+        """Records a span whose name, category, thread and args `describe()` gives when
+        the span is read: on a path taken for every operation, nothing is formatted
+        unless somebody reads the timeline (`describe` must not change meanwhile)."""
+        with self._lock:
+            self._spans.append(_Later(start_us, end_us, describe))
+
+    def _all(self) -> list[Span]:
+        with self._lock:
+            held = list(self._spans)
+        return [s if isinstance(s, Span) else s.span() for s in held]
+
     def spans(
         self, since_us: int = 0, where: Mapping[str, Any] | None = None, *, last: int = 0
     ) -> list[Span]:
         """Spans that started at or after `since_us` and whose args match `where`; with
         `last`, only the most recent `last` of them."""
-        with self._lock:
-            spans = list(self._spans)
+        spans = self._all()
         found = [s for s in spans if s.start_us >= since_us and _matches(s, where)]
         return found[-last:] if last > 0 else found
 
@@ -69,11 +100,11 @@ class SpanRecorder:
         """Takes the spans whose args match `where` out of the buffer and returns them
         (a released gang's, so that they do not stay for as long as the buffer is not full)."""
         with self._lock:
-            taken = [s for s in self._spans if _matches(s, where)]
+            spans = [s if isinstance(s, Span) else s.span() for s in self._spans]
+            taken = [s for s in spans if _matches(s, where)]
             if taken:
-                kept = [s for s in self._spans if not _matches(s, where)]
                 self._spans.clear()
-                self._spans.extend(kept)
+                self._spans.extend(s for s in spans if not _matches(s, where))
         return taken
 
 

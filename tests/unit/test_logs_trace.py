@@ -92,3 +92,24 @@ def test_span_recorder_gives_the_last_spans_and_removes_a_gangs():
     assert [s.name for s in rec.remove(where={"gang": "g1"})] == ["s1", "s3", "s5"]
     assert [s.name for s in rec.spans()] == ["s0", "s2", "s4"]
     assert rec.remove(where={"gang": "g1"}) == [] and len(rec.spans()) == 3
+
+
+def test_a_span_recorded_for_later_is_described_only_when_read():
+    described = []
+
+    def describe(seq):
+        described.append(seq)
+        return f"execute {seq}", "execute", "programs", {"gang": "g1", "seq": seq}
+
+    recorder = SpanRecorder(capacity=10)
+    recorder.record("put", "execute", 5, 7, thread="executor", gang="g1")
+    for seq in range(3):
+        recorder.record_later(10 + seq, 12 + seq, lambda seq=seq: describe(seq))
+    assert described == []  # nothing formatted while nobody reads
+    spans = recorder.spans(since_us=11)
+    assert [(s.name, s.start_us, s.duration_us, s.thread) for s in spans] == [
+        ("execute 1", 11, 2, "programs"),
+        ("execute 2", 12, 2, "programs"),
+    ]
+    assert [s.name for s in recorder.remove(where={"gang": "g1", "seq": 0})] == ["execute 0"]
+    assert [s.name for s in recorder.spans()] == ["put", "execute 1", "execute 2"]
