@@ -31,6 +31,16 @@ def multi_controller_rate(
     return n / max(seconds)
 
 
+def worker_thread_names(gang: Any) -> dict[int, dict[int, str]]:
+    """Each worker's Python threads by OS thread id, by worker pid (HostWorker.thread_names)."""
+    import ray
+
+    workers = gang.stats().workers
+    actors = [ray.get_actor(w.actor_name, namespace="slicewise") for w in workers]
+    names = ray.get([a.thread_names.remote() for a in actors], timeout=60)
+    return {w.pid: n for w, n in zip(workers, names, strict=True)}
+
+
 class PlainJaxActor:
     """One host's JAX process driven call by call from a Ray driver."""
 

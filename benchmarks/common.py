@@ -341,6 +341,56 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def thread_cpu_seconds(pid: int) -> dict[int, float]:
+    """User + system CPU seconds each thread of a process has used so far, by thread id
+    (/proc/<pid>/task/<tid>/stat); a thread that ends while it is read is left out."""
+    tick = os.sysconf("SC_CLK_TCK")
+    used: dict[int, float] = {}
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                fields = f.read().rpartition(")")[2].split()
+        except OSError:
+            continue
+        used[int(tid)] = (int(fields[11]) + int(fields[12])) / tick
+    return used
+
+
+class ThreadCpuMeter:
+    """CPU seconds used by each thread of some processes while a block runs, by (pid,
+    tid); `grouped` sums them by what a thread's name says it does."""
+
+    def __init__(self, pids: Sequence[int]) -> None:
+        self.pids = list(pids)
+        self.used: dict[tuple[int, int], float] = {}
+        self._before: dict[tuple[int, int], float] = {}
+
+    def _read(self) -> dict[tuple[int, int], float]:
+        return {
+            (pid, tid): seconds
+            for pid in self.pids
+            for tid, seconds in thread_cpu_seconds(pid).items()
+        }
+
+    def __enter__(self) -> ThreadCpuMeter:
+        self._before = self._read()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        after = self._read()
+        self.used = {key: after[key] - self._before.get(key, 0.0) for key in after}
+
+    def grouped(
+        self, names: dict[int, dict[int, str]], group: Callable[[str | None], str]
+    ) -> dict[str, float]:
+        """Seconds by group; `names[pid][tid]` is a thread's name (None when absent)."""
+        out: dict[str, float] = {}
+        for (pid, tid), seconds in self.used.items():
+            key = group(names.get(pid, {}).get(tid))
+            out[key] = out.get(key, 0.0) + seconds
+        return out
+
+
 class CpuMeter:
     """CPU seconds used by named groups of processes while a block runs:
 

@@ -31,13 +31,34 @@ from typing import Any
 
 import numpy as np
 
-from benchmarks.common import CpuMeter, attached_to_ray, sim_controller, write_result
+from benchmarks.common import (
+    CpuMeter,
+    ThreadCpuMeter,
+    attached_to_ray,
+    sim_controller,
+    write_result,
+)
 
 SIM = "2xv5litepod-4"
 AXES = ("slice", "chip")
 CHAIN = 128
 WINDOW = 3
 BUDGET_CALLS = 2000  # calls over which CPU per call is measured
+
+# A worker's threads, by what they do (worker/actor.py names them); threads Python does
+# not know are native: XLA's (the devices' and its dispatch) and gloo's.
+THREAD_GROUPS = {
+    "in-order-executor": "executor",
+    "executor-watcher": "watcher",
+    "control-receiver": "control receive",
+    "control-sender": "control send",
+    "bench-loop": "own loop",
+}
+NATIVE = "native (XLA, gloo)"
+
+
+def thread_group(name: str | None) -> str:
+    return NATIVE if name is None else THREAD_GROUPS.get(name, "other Python")
 
 
 def _rate(n: int, fn: Any) -> float:
@@ -87,7 +108,7 @@ def _best(times: int, fn: Any) -> dict[str, float]:
 
 def run(quick: bool = False) -> dict[str, Any]:
     import slicewise
-    from benchmarks.baselines import multi_controller_rate, plain_ray_rates
+    from benchmarks.baselines import multi_controller_rate, plain_ray_rates, worker_thread_names
     from programs.microbench import allreduce_add, fused_allreduce_add
     from slicewise.common.mesh import GangShape
 
@@ -121,7 +142,8 @@ def run(quick: bool = False) -> dict[str, Any]:
         }
         # CPU is read in clock ticks (10 ms): enough calls for a few hundred of them.
         budget = {"slicewise": CpuMeter(pids), "multi_controller": CpuMeter(pids)}
-        with budget["slicewise"]:
+        threads = {run: ThreadCpuMeter(pids["workers"]) for run in budget}
+        with budget["slicewise"], threads["slicewise"]:
             _opbyop_async(step, x, BUDGET_CALLS)
         shapes = {
             "opbyop": _best(reps, lambda: _opbyop_async(step, x, n)),
@@ -130,8 +152,9 @@ def run(quick: bool = False) -> dict[str, Any]:
             "fused": _best(reps, lambda: _fused(fused, x, max(1, n // CHAIN))),
         }
         with attached_to_ray(client):
-            with budget["multi_controller"]:
+            with budget["multi_controller"], threads["multi_controller"]:
                 multi_controller_rate(gang, step.id, [x.handle], BUDGET_CALLS, WINDOW)
+            thread_names = worker_thread_names(gang)
             mc = _best(reps, lambda: multi_controller_rate(gang, step.id, [x.handle], n, WINDOW))
             mc_fused = _best(
                 reps,
@@ -205,6 +228,16 @@ def run(quick: bool = False) -> dict[str, Any]:
     out["cpu_per_call_us"] = {
         run: {group: 1e6 * used / BUDGET_CALLS for group, used in meter.used.items()}
         for run, meter in budget.items()
+    }
+    # The workers' CPU per call by thread (all hosts): where theirs goes beyond the loop's.
+    out["worker_cpu_per_call_us_by_thread"] = {
+        run: {
+            group: 1e6 * used / BUDGET_CALLS
+            for group, used in sorted(
+                meter.grouped(thread_names, thread_group).items(), key=lambda kv: -kv[1]
+            )
+        }
+        for run, meter in threads.items()
     }
     reached = [p["length_ms"] for p in sweep if p["ratio"] >= 0.95]
     out["break_even_ms"] = min(reached) if reached else None
@@ -368,6 +401,13 @@ def report(result: dict[str, Any]) -> str:
             f"{ours['controller']:.0f} us, workers {ours['workers']:.0f} us (all hosts; "
             f"{floor['workers']:.0f} us when they run the loop themselves)"
         )
+    by_thread = result.get("worker_cpu_per_call_us_by_thread")
+    if by_thread:
+        for run, label in (("slicewise", "OpByOp"), ("multi_controller", "their own loop")):
+            lines.append(
+                f"  workers' CPU per call by thread, {label}: "
+                + ", ".join(f"{g} {us:.0f} us" for g, us in by_thread[run].items() if us >= 1)
+            )
     return "\n".join(lines)
 
 

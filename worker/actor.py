@@ -12,6 +12,7 @@ import functools
 import logging
 import os
 import socket
+import threading
 import time
 from typing import Any
 
@@ -231,7 +232,13 @@ class HostWorker:
 
     def bench_loop(self, program_id: str, handles: list[str], n: int, window: int) -> float:
         """The multi-controller baseline of `benchmarks/` (see JaxRuntime.run_loop)."""
+        threading.current_thread().name = "bench-loop"  # for per-thread CPU figures
         return self.runtime.run_loop(program_id, handles, n, window)
+
+    def thread_names(self) -> dict[int, str]:
+        """This process's Python threads by OS thread id (benchmarks: CPU by thread; the
+        threads without a name here are native ones, XLA's and gloo's)."""
+        return {t.native_id: t.name for t in threading.enumerate() if t.native_id is not None}
 
     def bench_train_loop(self, *args: Any) -> float:
         """The multi-controller training baseline (see JaxRuntime.run_train_loop)."""

@@ -138,6 +138,7 @@ class WorkerEnd:
                 }
             )
             return
+        threading.current_thread().name = "control-receiver"  # for per-thread CPU figures
         if hello.get("epoch") != self._epoch:
             reply({"error": f"stale epoch {hello.get('epoch')} (this worker is at {self._epoch})"})
             return

@@ -91,7 +91,9 @@ class DataServer:
                 conn, _ = self._sock.accept()
             except OSError:
                 return
-            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+            threading.Thread(
+                target=self._serve, args=(conn,), name="data-connection", daemon=True
+            ).start()
 
     def _serve(self, conn: socket.socket) -> None:
         with conn:
