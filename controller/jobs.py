@@ -944,7 +944,15 @@ class JobRunner:
         job.live_states = {job.step: state_handles} if spec.peer_recovery else {}
         if spec.peer_recovery:
             # Started now, not when a slice fails: an actor takes about a second to start.
-            await gang.prepare_stashes(self._stash_names(job, gang))
+            try:
+                await gang.prepare_stashes(self._stash_names(job, gang))
+            except Exception as exc:  # noqa: BLE001 - a failure starts them then instead
+                log.warning(
+                    "job %s: the stash actors for peer recovery did not start (%s); a "
+                    "failure will start them when it comes",
+                    job.job_id,
+                    exc,
+                )
         tokens = program.tokens_per_step(config)
         if job.recoveries and job.recoveries[-1].resumed_from is None:
             job.recoveries[-1].resumed_from = job.step
@@ -1022,6 +1030,9 @@ class JobRunner:
             await self._check_commits(job)
         c.delete(state_handles)
         job.live_states.clear()
+        if spec.peer_recovery:
+            for name in self._stash_names(job, gang):
+                gang.drop_stash(name)
         return True
 
     async def _place_experts(
