@@ -603,7 +603,6 @@ class Gang:
             self.transition(then, why=why)
 
 
-@functools.cache
 def _dispatch_span(
     gang_id: str, kind: str, seq: int, error: str | None
 ) -> tuple[str, str, str, dict[str, Any]]:
@@ -614,6 +613,7 @@ def _dispatch_span(
     return f"dispatch {kind}", "dispatch", f"gang {gang_id}", args
 
 
+@functools.cache
 def _op_metrics(kind: str) -> tuple[Any, Any]:
     """The counter and histogram of one kind of operation (`labels()` looks them up
     under a lock, ~10 us a call: once per kind, not twice per operation)."""

@@ -82,18 +82,15 @@ class SpanRecorder:
         with self._lock:
             self._spans.append(_Later(start_us, end_us, describe))
 
-    def _all(self) -> list[Span]:
-        with self._lock:
-            held = list(self._spans)
-        return [s if isinstance(s, Span) else s.span() for s in held]
-
     def spans(
         self, since_us: int = 0, where: Mapping[str, Any] | None = None, *, last: int = 0
     ) -> list[Span]:
         """Spans that started at or after `since_us` and whose args match `where`; with
         `last`, only the most recent `last` of them."""
-        spans = self._all()
-        found = [s for s in spans if s.start_us >= since_us and _matches(s, where)]
+        with self._lock:
+            held = [s for s in self._spans if s.start_us >= since_us]
+        spans = (s if isinstance(s, Span) else s.span() for s in held)
+        found = [s for s in spans if _matches(s, where)]
         return found[-last:] if last > 0 else found
 
     def remove(self, where: Mapping[str, Any]) -> list[Span]:
