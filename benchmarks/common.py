@@ -333,26 +333,28 @@ def size_label(nbytes: int) -> str:
     return f"{nbytes // 2**30} GiB" if nbytes >= 2**30 else f"{nbytes // 2**20} MiB"
 
 
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU seconds a process (all its threads) has used so far, from
-    /proc/<pid>/stat (fields 14 and 15, in clock ticks)."""
-    with open(f"/proc/{pid}/stat") as f:
+def _stat_cpu_seconds(path: str) -> float:
+    """User + system CPU seconds from a /proc stat file (fields 14 and 15, in clock
+    ticks): a process's (/proc/<pid>/stat) or one thread's (/proc/<pid>/task/<tid>/stat)."""
+    with open(path) as f:
         fields = f.read().rpartition(")")[2].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds a process (all its threads) has used so far."""
+    return _stat_cpu_seconds(f"/proc/{pid}/stat")
+
+
 def thread_cpu_seconds(pid: int) -> dict[int, float]:
-    """User + system CPU seconds each thread of a process has used so far, by thread id
-    (/proc/<pid>/task/<tid>/stat); a thread that ends while it is read is left out."""
-    tick = os.sysconf("SC_CLK_TCK")
+    """CPU seconds each thread of a process has used so far, by thread id; a thread
+    that ends while it is read is left out."""
     used: dict[int, float] = {}
     for tid in os.listdir(f"/proc/{pid}/task"):
         try:
-            with open(f"/proc/{pid}/task/{tid}/stat") as f:
-                fields = f.read().rpartition(")")[2].split()
+            used[int(tid)] = _stat_cpu_seconds(f"/proc/{pid}/task/{tid}/stat")
         except OSError:
             continue
-        used[int(tid)] = (int(fields[11]) + int(fields[12])) / tick
     return used
 
 
