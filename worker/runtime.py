@@ -3,6 +3,7 @@ meshes, and applies the controller's operations to the buffer table."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
@@ -41,6 +42,8 @@ from worker.buffers import BufferTable
 from worker.stash import PieceKey
 
 if TYPE_CHECKING:
+    from collections.abc import Iterator
+
     from worker.checkpoint import QueuedCheckpointer
 
 log = logging.getLogger(__name__)
@@ -248,10 +251,15 @@ class JaxRuntime:
 
         from programs.base import get_program
 
-        program = get_program(program_name)
-        config = self._configs.get((program_name, overrides))
-        if config is None:
-            config = self._configs[(program_name, overrides)] = program.make_config(dict(overrides))
+        key = (program_name, overrides)
+        if key not in self._configs:
+            # The first batch of a program on this host imports its code and reads its
+            # data (the LM's corpus, digested): about 5 s here, more under load.
+            with self._setting_up(f"loading the data of {program_name}"):
+                config = get_program(program_name).make_config(dict(overrides))
+                get_program(program_name).data_fingerprint(config)
+            self._configs[key] = config
+        program, config = get_program(program_name), self._configs[key]
         spec = program.batch_spec(config)
         fields = sorted(spec)
         sharding = self.named_sharding(sharding_spec)
@@ -273,6 +281,17 @@ class JaxRuntime:
             for f in fields
         ]
 
+    @contextlib.contextmanager
+    def _setting_up(self, what: str) -> Iterator[None]:
+        """One-time local setup (a compile, opening a checkpoint directory, loading a
+        program's data): the heartbeat says so while it lasts, and the controller's step
+        watchdog does not take the wait for a stuck collective."""
+        self.compiling = what
+        try:
+            yield
+        finally:
+            self.compiling = ""
+
     # -- checkpoints -----------------------------------------------------------------
 
     def _checkpointer(self, directory: str, barrier_prefix: str) -> QueuedCheckpointer:
@@ -283,15 +302,12 @@ class JaxRuntime:
             # controller's step watchdog does not take it for a stuck collective (the
             # first save of a job imports orbax; under load that took over the 8-s
             # step timeout of the recovery tests, and the job "recovered" from it).
-            self.compiling = f"checkpointing in {directory}"
-            try:
+            with self._setting_up(f"checkpointing in {directory}"):
                 from worker.checkpoint import HostCheckpointer, QueuedCheckpointer
 
                 checkpointer = self._checkpointers[key] = QueuedCheckpointer(
                     HostCheckpointer(directory, barrier_prefix=barrier_prefix or None)
                 )
-            finally:
-                self.compiling = ""
         return checkpointer
 
     def _save(self, op: SaveOp) -> None:
@@ -466,20 +482,19 @@ class JaxRuntime:
         if program.called:
             outputs = self._call(program, args)
         else:
-            self.compiling = program.name
             try:
-                cache = os.environ.get(executables.ENV_VAR, "")
-                if cache and "://" not in cache:  # a bucket: JAX's own cache only
-                    tree_args, tree_kwargs = jax.tree.unflatten(program.exported.in_tree, args)
-                    path = executables.executable_path(
-                        cache, op.program_id, self.gang.num_processes, self.process_id
-                    )
-                    program.compiled = executables.compile_cached(
-                        program.call, tree_args, tree_kwargs, program.mesh, path
-                    )
-                outputs = self._call(program, args)
+                with self._setting_up(program.name):
+                    cache = os.environ.get(executables.ENV_VAR, "")
+                    if cache and "://" not in cache:  # a bucket: JAX's own cache only
+                        tree_args, tree_kwargs = jax.tree.unflatten(program.exported.in_tree, args)
+                        path = executables.executable_path(
+                            cache, op.program_id, self.gang.num_processes, self.process_id
+                        )
+                        program.compiled = executables.compile_cached(
+                            program.call, tree_args, tree_kwargs, program.mesh, path
+                        )
+                    outputs = self._call(program, args)
             finally:
-                self.compiling = ""
                 program.called = True
         if op.repeat > 1:
             outputs = self._repeat(program, op.repeat, outputs)
