@@ -405,15 +405,19 @@ class CpuMeter:
     def __init__(self, groups: dict[str, Sequence[int]]) -> None:
         self.groups = {name: list(pids) for name, pids in groups.items()}
         self.used: dict[str, float] = {}
+        self.wall_s = 0.0  # how long the block ran
         self._before: dict[str, float] = {}
+        self._started = 0.0
 
     def _read(self) -> dict[str, float]:
         return {name: sum(map(cpu_seconds, pids)) for name, pids in self.groups.items()}
 
     def __enter__(self) -> CpuMeter:
         self._before = self._read()
+        self._started = time.perf_counter()
         return self
 
     def __exit__(self, *exc: object) -> None:
+        self.wall_s = time.perf_counter() - self._started
         after = self._read()
         self.used = {name: after[name] - self._before[name] for name in after}

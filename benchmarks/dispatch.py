@@ -239,9 +239,50 @@ def run(quick: bool = False) -> dict[str, Any]:
         }
         for run, meter in threads.items()
     }
+    out["cpu_bound"] = cpu_bound(
+        out["cpu_per_call_us"],
+        {run: meter.wall_s for run, meter in budget.items()},
+        BUDGET_CALLS,
+        os.cpu_count() or 1,
+        plain["pipelined"] / mc_rate,
+    )
     reached = [p["length_ms"] for p in sweep if p["ratio"] >= 0.95]
     out["break_even_ms"] = min(reached) if reached else None
     return out
+
+
+def cpu_bound(
+    cpu_us: dict[str, dict[str, float]],
+    wall_s: dict[str, float],
+    calls: int,
+    cores: int,
+    plain_vs_multi_controller: float,
+) -> dict[str, Any]:
+    """What the CPU per call allows when client, controller and workers share the
+    machine's cores and keep them busy (`cores_busy` near `cores` says they do): then
+    calls per second are at most cores / CPU per call, and OpByOp's ratio to
+    multi-controller is at most the ratio of their CPU per call.
+
+    Args:
+        cpu_us: CPU per call by process group ("client", "controller", "workers"), for
+            the runs "slicewise" (OpByOp) and "multi_controller" (the workers' own loop).
+        wall_s: how long each run's `calls` calls took.
+        plain_vs_multi_controller: plain Ray pipelined's rate over multi-controller's.
+    """
+    ours, mc = cpu_us["slicewise"], cpu_us["multi_controller"]
+    mc_total = sum(mc.values())
+    # The least OpByOp could spend: the workers at their own loop's figure, plus what
+    # the client and controller spend to send the call.
+    least = mc["workers"] + ours["client"] + ours["controller"]
+    return {
+        "cores": cores,
+        "cores_busy": {
+            run: sum(cpu_us[run].values()) * calls / 1e6 / wall_s[run] for run in cpu_us
+        },
+        "opbyop_vs_multi_controller_from_cpu": mc_total / sum(ours.values()),
+        "opbyop_ceiling_with_workers_at_their_loop": mc_total / least,
+        "opbyop_needed_for_2x_plain_ray": 2 * plain_vs_multi_controller,
+    }
 
 
 # Controller CPU per call by gang size: (hosts, slice type, slices), all on one simulation.
@@ -400,6 +441,17 @@ def report(result: dict[str, Any]) -> str:
             f"CPU per OpByOp call: client {ours['client']:.0f} us, controller "
             f"{ours['controller']:.0f} us, workers {ours['workers']:.0f} us (all hosts; "
             f"{floor['workers']:.0f} us when they run the loop themselves)"
+        )
+    bound = result.get("cpu_bound")
+    if bound:
+        busy = bound["cores_busy"]
+        lines.append(
+            f"CPU-bound: {busy['slicewise']:.1f} (OpByOp) and {busy['multi_controller']:.1f} "
+            f"(own loop) of {bound['cores']} cores busy; by CPU per call OpByOp reaches "
+            f"{bound['opbyop_vs_multi_controller_from_cpu']:.2f} of multi-controller, and "
+            f"at most {bound['opbyop_ceiling_with_workers_at_their_loop']:.2f} with the "
+            "workers at their own loop's CPU (client and controller as measured); 2x plain "
+            f"Ray needs {bound['opbyop_needed_for_2x_plain_ray']:.2f}"
         )
     by_thread = result.get("worker_cpu_per_call_us_by_thread")
     if by_thread:

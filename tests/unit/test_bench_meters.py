@@ -6,7 +6,7 @@ import os
 import threading
 
 from benchmarks.common import ThreadCpuMeter, thread_cpu_seconds
-from benchmarks.dispatch import NATIVE, thread_group
+from benchmarks.dispatch import NATIVE, cpu_bound, thread_group
 
 SPIN_S = 0.05  # CPU seconds the spinning thread uses: five clock ticks
 
@@ -40,3 +40,15 @@ def test_a_thread_python_does_not_know_is_native():
     assert thread_group(None) == NATIVE
     assert thread_group("control-sender") == "control send"
     assert thread_group("Dummy-1") == "other Python"
+
+
+def test_the_cpu_bound_ceiling_counts_the_workers_at_their_own_loops_cost():
+    cpu = {
+        "slicewise": {"client": 100.0, "controller": 500.0, "workers": 3400.0},
+        "multi_controller": {"client": 0.0, "controller": 0.0, "workers": 2400.0},
+    }
+    bound = cpu_bound(cpu, {"slicewise": 2.0, "multi_controller": 1.2}, 1000, 2, 0.4)
+    assert bound["cores_busy"] == {"slicewise": 2.0, "multi_controller": 2.0}
+    assert bound["opbyop_vs_multi_controller_from_cpu"] == 2400 / 4000
+    assert bound["opbyop_ceiling_with_workers_at_their_loop"] == 2400 / 3000
+    assert bound["opbyop_needed_for_2x_plain_ray"] == 0.8
