@@ -19,14 +19,16 @@ from slicewise.common.ops import ExecOp, LoadOp, PutOp
 
 
 def multi_controller_rate(
-    gang: Any, program_id: str, handles: list[str], n: int, window: int = 3
+    gang: Any, program_id: str, handles: list[str], n: int, window: int = 3, pace_s: float = 0.0
 ) -> float:
-    """Computations per second when every worker of `gang` loops on its own."""
+    """Computations per second when every worker of `gang` loops on its own (with
+    `pace_s`, launching no faster than one call per `pace_s`: JaxRuntime.run_loop)."""
     import ray
 
     actors = [ray.get_actor(w.actor_name, namespace="slicewise") for w in gang.stats().workers]
     seconds = ray.get(
-        [a.bench_loop.remote(program_id, handles, n, window) for a in actors], timeout=600
+        [a.bench_loop.remote(program_id, handles, n, window, pace_s) for a in actors],
+        timeout=600,
     )
     return n / max(seconds)
 

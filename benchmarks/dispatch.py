@@ -154,6 +154,13 @@ def run(quick: bool = False) -> dict[str, Any]:
         with attached_to_ray(client):
             with budget["multi_controller"], threads["multi_controller"]:
                 multi_controller_rate(gang, step.id, [x.handle], BUDGET_CALLS, WINDOW)
+            # The same loop fed at OpByOp's pace: what XLA's threads spend going idle
+            # and being woken between calls, which the unpaced loop never pays.
+            budget["multi_controller_paced"] = CpuMeter(pids)
+            threads["multi_controller_paced"] = ThreadCpuMeter(pids["workers"])
+            pace_s = budget["slicewise"].wall_s / BUDGET_CALLS
+            with budget["multi_controller_paced"], threads["multi_controller_paced"]:
+                multi_controller_rate(gang, step.id, [x.handle], BUDGET_CALLS, WINDOW, pace_s)
             thread_names = worker_thread_names(gang)
             mc = _best(reps, lambda: multi_controller_rate(gang, step.id, [x.handle], n, WINDOW))
             mc_fused = _best(
@@ -271,14 +278,13 @@ def cpu_bound(
     """
     ours, mc = cpu_us["slicewise"], cpu_us["multi_controller"]
     mc_total = sum(mc.values())
+    runs = ("slicewise", "multi_controller")
     # The least OpByOp could spend: the workers at their own loop's figure, plus what
     # the client and controller spend to send the call.
     least = mc["workers"] + ours["client"] + ours["controller"]
     return {
         "cores": cores,
-        "cores_busy": {
-            run: sum(cpu_us[run].values()) * calls / 1e6 / wall_s[run] for run in cpu_us
-        },
+        "cores_busy": {run: sum(cpu_us[run].values()) * calls / 1e6 / wall_s[run] for run in runs},
         "opbyop_vs_multi_controller_from_cpu": mc_total / sum(ours.values()),
         "opbyop_ceiling_with_workers_at_their_loop": mc_total / least,
         "opbyop_needed_for_2x_plain_ray": 2 * plain_vs_multi_controller,
@@ -437,10 +443,12 @@ def report(result: dict[str, Any]) -> str:
     cpu = result.get("cpu_per_call_us")
     if cpu:
         ours, floor = cpu["slicewise"], cpu["multi_controller"]
+        paced = cpu.get("multi_controller_paced")
+        at_pace = f", {paced['workers']:.0f} us at OpByOp's pace" if paced else ""
         lines.append(
             f"CPU per OpByOp call: client {ours['client']:.0f} us, controller "
             f"{ours['controller']:.0f} us, workers {ours['workers']:.0f} us (all hosts; "
-            f"{floor['workers']:.0f} us when they run the loop themselves)"
+            f"{floor['workers']:.0f} us when they run the loop themselves{at_pace})"
         )
     bound = result.get("cpu_bound")
     if bound:
@@ -455,7 +463,13 @@ def report(result: dict[str, Any]) -> str:
         )
     by_thread = result.get("worker_cpu_per_call_us_by_thread")
     if by_thread:
-        for run, label in (("slicewise", "OpByOp"), ("multi_controller", "their own loop")):
+        for run, label in (
+            ("slicewise", "OpByOp"),
+            ("multi_controller", "their own loop"),
+            ("multi_controller_paced", "their own loop at OpByOp's pace"),
+        ):
+            if run not in by_thread:
+                continue
             lines.append(
                 f"  workers' CPU per call by thread, {label}: "
                 + ", ".join(f"{g} {us:.0f} us" for g, us in by_thread[run].items() if us >= 1)

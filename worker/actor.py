@@ -230,10 +230,12 @@ class HostWorker:
         ray.get(stash.keys.remote())  # started and answering
         return stash
 
-    def bench_loop(self, program_id: str, handles: list[str], n: int, window: int) -> float:
+    def bench_loop(
+        self, program_id: str, handles: list[str], n: int, window: int, pace_s: float = 0.0
+    ) -> float:
         """The multi-controller baseline of `benchmarks/` (see JaxRuntime.run_loop)."""
         threading.current_thread().name = "bench-loop"  # for per-thread CPU figures
-        return self.runtime.run_loop(program_id, handles, n, window)
+        return self.runtime.run_loop(program_id, handles, n, window, pace_s)
 
     def thread_names(self) -> dict[int, str]:
         """This process's Python threads by OS thread id (benchmarks: CPU by thread; the

@@ -567,18 +567,26 @@ class JaxRuntime:
         with jax.set_mesh(program.mesh):
             return jax.tree.leaves(program.call(*tree_args, **tree_kwargs))
 
-    def run_loop(self, program_id: str, handles: list[str], n: int, window: int) -> float:
+    def run_loop(
+        self, program_id: str, handles: list[str], n: int, window: int, pace_s: float = 0.0
+    ) -> float:
         """Runs a loaded program `n` times, each call fed the previous call's outputs,
         straight from this process with its own bounded window: what a multi-controller
         JAX program does. For benchmarks only; run it on every process of the gang at
-        once, and never while the gang's executor has work. Returns the seconds taken."""
+        once, and never while the gang's executor has work. Returns the seconds taken.
+
+        With `pace_s`, call i is launched no earlier than i * pace_s after the first: the
+        same loop fed at the pace a controller delivers calls, to measure what the pace
+        alone costs (XLA's threads go idle and are woken between calls)."""
         from collections import deque
 
         program = self._programs[program_id]
         args = [self.buffers.get(h) for h in handles]
         in_flight: deque[Any] = deque()
         started = time.perf_counter()
-        for _ in range(n):
+        for i in range(n):
+            if pace_s:
+                time.sleep(max(0.0, started + i * pace_s - time.perf_counter()))
             args = self._call(program, args)
             in_flight.append(args[0])
             if len(in_flight) > window:
