@@ -101,6 +101,12 @@ class Channel(Protocol):
 
     async def send(self, ops: list[Op]) -> None: ...
 
+    def write(self, ops: list[Op], frames: list[bytes]) -> None:
+        """Queues `ops`, already encoded as `frames` (channel.encode_batch)."""
+
+    async def drain(self) -> None:
+        """Waits until what was written is on its way."""
+
     async def receive(self) -> list[OpResult]: ...
 
     def close(self) -> None: ...

@@ -65,9 +65,20 @@ class ControllerEnd:
 
     async def send(self, ops: list[Op]) -> None:
         """Sends a batch; returns once it is on its way (TCP keeps the order)."""
+        self.write(ops, encode_batch(ops))
+        await self.drain()
+
+    def write(self, ops: list[Op], frames: list[bytes]) -> None:
+        """Queues a batch already encoded as `frames` (`encode_batch(ops)`: one encoding
+        may go to every worker of a gang); `drain` waits until it is on its way."""
         try:
-            for data in _frames(ops):
+            for data in frames:
                 self._writer.write(data)
+        except (OSError, RuntimeError) as exc:
+            raise ChannelError(f"sending to {self._name} failed: {exc}") from exc
+
+    async def drain(self) -> None:
+        try:
             await self._writer.drain()
         except (OSError, RuntimeError) as exc:
             raise ChannelError(f"sending to {self._name} failed: {exc}") from exc
@@ -111,11 +122,11 @@ class ControllerEnd:
             self._writer.close()
 
 
-def _frames(ops: list[Op]) -> list[bytes]:
+def encode_batch(ops: list[Op]) -> list[bytes]:
     """The batch as one frame, or, in the rare batch of several large programs, as
     many as it takes to keep each under MAX_FRAME_BYTES (TCP keeps them in order)."""
     data = frame("submit", ops)
     if len(data) - LENGTH.size <= MAX_FRAME_BYTES or len(ops) == 1:
         return [data]
     half = len(ops) // 2
-    return _frames(ops[:half]) + _frames(ops[half:])
+    return encode_batch(ops[:half]) + encode_batch(ops[half:])

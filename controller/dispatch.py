@@ -32,6 +32,8 @@ log = logging.getLogger(__name__)
 
 # Hands a batch to worker `index`; returns once it is on its way (in order).
 Send = Callable[[int, list[Op]], Awaitable[None]]
+# Hands the same batch to every worker (encoded once); returns once it is on its way.
+Broadcast = Callable[[list[Op]], Awaitable[None]]
 # Worker `index`'s next completions, in the order they completed (which need not be
 # sequence order); waits for at least one.
 Poll = Callable[[int], Awaitable[list[OpResult]]]
@@ -77,8 +79,12 @@ class Dispatcher:
         max_sends: int = 1,
         on_broken: Callable[[str], None] | None = None,
         observer: Observer | None = None,
+        broadcast: Broadcast | None = None,
     ) -> None:
         self._send = send
+        # For a batch whose operations are the same for every worker (nearly all are):
+        # one encoding and no task per worker, the controller's cost per host per call.
+        self._broadcast = broadcast
         self._poll = poll
         self._num_workers = num_workers
         self._name = name
@@ -209,12 +215,17 @@ class Dispatcher:
 
     async def _deliver(self, batch: list[Ticket]) -> None:
         try:
-            await asyncio.gather(
-                *(
-                    self._send(w, [item.op_for(w) for item in batch])
-                    for w in range(self._num_workers)
+            if self._broadcast is not None and not any(
+                isinstance(item.ops, Sequence) for item in batch
+            ):
+                await self._broadcast([item.op_for(0) for item in batch])
+            else:
+                await asyncio.gather(
+                    *(
+                        self._send(w, [item.op_for(w) for item in batch])
+                        for w in range(self._num_workers)
+                    )
                 )
-            )
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # noqa: BLE001 - a worker died or the transport broke

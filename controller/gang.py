@@ -30,6 +30,7 @@ from controller.backend import (
     Worker,
     WorkerSpec,
 )
+from controller.channel import encode_batch
 from controller.dispatch import Dispatcher, Ticket
 from controller.gangstate import TRANSITIONS, GangState
 from controller.health import WATCH_PERIOD_S, HostReport, diagnose
@@ -171,6 +172,7 @@ class Gang:
             ),
             on_broken=functools.partial(self._on_broken, epoch=self.epoch),
             observer=self._observe,
+            broadcast=self._broadcast,
         )
         for attachment, (_, weight) in self.attachments.items():
             dispatcher.set_weight(attachment, weight)
@@ -367,6 +369,16 @@ class Gang:
 
     async def _send(self, worker: int, ops: list[Op]) -> None:
         await self._channels[worker].send(ops)
+
+    async def _broadcast(self, ops: list[Op]) -> None:
+        """The same batch to every worker: encoded once, written to every channel, then
+        waited for (a drain returns at once unless that worker's socket is full)."""
+        frames = encode_batch(ops)
+        channels = list(self._channels)
+        for channel in channels:
+            channel.write(ops, frames)
+        for channel in channels:
+            await channel.drain()
 
     async def _poll(self, worker: int) -> list[OpResult]:
         try:

@@ -677,6 +677,10 @@ class ControllerServicer(pb_grpc.ControllerServicer):
                     pins=s["pins"],
                     data_address=gang.data_addresses[s["process_id"]],
                     staged=s["staged"],
+                    control_frames_in=s["control"].get("frames_in", 0),
+                    control_ops_in=s["control"].get("ops_in", 0),
+                    control_frames_out=s["control"].get("frames_out", 0),
+                    control_completions_out=s["control"].get("completions_out", 0),
                 )
                 for s in stats
             ],

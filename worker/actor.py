@@ -261,4 +261,5 @@ class HostWorker:
             "max_in_flight": self.executor.max_in_flight,
             "window": self.executor.window,
             "uptime_s": time.time() - self._started,
+            "control": dict(self._channel.counts) if self._channel is not None else {},
         }

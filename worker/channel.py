@@ -104,6 +104,8 @@ class WorkerEnd:
         self._cond = threading.Condition()
         self._conn: socket.socket | None = None
         self._send_lock = threading.Lock()
+        # Frames and what they carried, each way: how well calls and completions batch.
+        self.counts = {"frames_in": 0, "ops_in": 0, "frames_out": 0, "completions_out": 0}
 
     def completed(self, result: OpResult) -> None:
         """Queues a completion for the controller; it goes out on the next `flush`, at
@@ -161,6 +163,8 @@ class WorkerEnd:
             while True:
                 length = frame_length(_recv_exact(conn, LENGTH.size))
                 _, ops = unframe(_recv_exact(conn, length), TO_WORKER)  # only "submit"
+                self.counts["frames_in"] += 1
+                self.counts["ops_in"] += len(ops)
                 try:
                     self._submit(ops)
                 except Exception as exc:  # noqa: BLE001 - the controller decides what now
@@ -206,6 +210,8 @@ class WorkerEnd:
                     return
                 batch, self._done, self._flushing = self._done, [], False
             started = time.time_ns()
+            self.counts["frames_out"] += 1
+            self.counts["completions_out"] += len(batch)
             try:
                 self._send(conn, "done", batch)
             except OSError as exc:

@@ -118,11 +118,17 @@ class FakeChannel:
         return time.monotonic()
 
     async def send(self, ops: list[Op]) -> None:
+        self.write(ops, [])
+
+    def write(self, ops: list[Op], frames: list[bytes]) -> None:
         self.sent.extend(ops)
         self._held += [OpResult(op.seq) for op in ops if isinstance(op, self.hold)]
         done = [OpResult(op.seq) for op in ops if not isinstance(op, self.hold)]
         if done:
             self._results.put_nowait(done)
+
+    async def drain(self) -> None:
+        return None
 
     def complete_held(self) -> None:
         """Completes the held operations (see `hold`)."""

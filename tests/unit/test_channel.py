@@ -351,7 +351,7 @@ def test_the_controller_refuses_a_worker_that_sends_garbage(tmp_path, garbage, r
 def test_a_batch_too_large_for_one_frame_travels_as_several_in_order(worker, monkeypatch):
     monkeypatch.setattr(controller.channel, "MAX_FRAME_BYTES", 300)
     ops = [LoadOp(seq, "p" * 64, bytes(200), MeshSpec((MeshAxis("x"),))) for seq in (1, 2, 3)]
-    frames = controller.channel._frames([*ops, DeleteOp(4, ())])
+    frames = controller.channel.encode_batch([*ops, DeleteOp(4, ())])
     assert len(frames) == 4
     decoded = [unframe(f[LENGTH.size :], TO_WORKER)[1] for f in frames]
     assert [op for batch in decoded for op in batch] == [*ops, DeleteOp(4, ())]

@@ -121,6 +121,29 @@ def test_per_worker_ops_go_to_their_own_worker():
     assert workers.batches[1][0][0].handles == ("b",)
 
 
+def test_a_batch_the_same_for_every_worker_is_broadcast_once_and_per_worker_ops_are_not():
+    async def scenario():
+        workers = FakeWorkers(2)
+        broadcasts = []
+
+        async def broadcast(ops):
+            broadcasts.append([o.seq for o in ops])
+            for w in range(2):
+                await workers.send(w, ops)
+
+        dispatcher = Dispatcher(workers.send, workers.poll, 2, broadcast=broadcast)
+        await dispatcher.submit(delete).done
+        await dispatcher.submit(lambda seq: [DeleteOp(seq, ("a",)), DeleteOp(seq, ("b",))]).done
+        await dispatcher.close("done")
+        return workers, broadcasts
+
+    workers, broadcasts = run(scenario())
+    assert broadcasts == [[1]]
+    assert workers.seqs(0) == workers.seqs(1) == [1, 2]
+    assert workers.batches[0][1][0].handles == ("a",)
+    assert workers.batches[1][1][0].handles == ("b",)
+
+
 def test_an_op_settles_only_when_every_worker_reported_it():
     async def scenario():
         workers = FakeWorkers(2, hold=True)
