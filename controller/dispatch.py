@@ -100,6 +100,7 @@ class Dispatcher:
         self._waiting: FairQueue[Ticket] = FairQueue()  # not yet numbered
         self._numbered: deque[Ticket] = deque()  # numbered, not yet sent
         self._in_flight: dict[int, Ticket] = {}  # numbered (sent or about to be)
+        self._full = False  # the window filled up with work still waiting: refill later
         self._wake = asyncio.Event()
         self._tasks: set[asyncio.Task[None]] = set()
         self._started = False
@@ -160,7 +161,17 @@ class Dispatcher:
 
     def _number(self) -> None:
         """Gives sequence numbers, in fair order, to as many waiting operations as fit in
-        flight; the pump sends them."""
+        flight; the pump sends them.
+
+        Once the window is full it refills in batches: only when a quarter of it has
+        completed. Refilled one completion frame at a time, a stream of calls would go
+        to the workers in frames of an operation or two, each a wake-up of a thread on
+        every worker and a turn of this event loop per host; the workers still hold
+        three quarters of the window of work meanwhile."""
+        if self._full:
+            if len(self._in_flight) > self.max_in_flight - max(1, self.max_in_flight // 4):
+                return
+            self._full = False
         while len(self._in_flight) < self.max_in_flight:
             picked = self._waiting.pop()
             if picked is None:
@@ -177,6 +188,7 @@ class Dispatcher:
             self._in_flight[ticket.seq] = ticket
             self._numbered.append(ticket)
             self.most_in_flight = max(self.most_in_flight, len(self._in_flight))
+        self._full = len(self._in_flight) >= self.max_in_flight and len(self._waiting) > 0
         if self._numbered:
             self._wake.set()
 

@@ -190,7 +190,12 @@ class HostWorker:
             timeout_s=timeout_s,
         )
         self._channel = WorkerEnd(
-            self._token, epoch, self.executor.submit, self._on_sent, progress=self._progress
+            self._token,
+            epoch,
+            self.executor.enqueue,
+            self._on_sent,
+            progress=self._progress,
+            backlog=self.executor.backlog,
         )
         log.info("gang %s process %d joined: %s", self.gang_id, self.process_id, info)
         return info | {"pid": os.getpid()}

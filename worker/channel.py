@@ -7,7 +7,7 @@ each on both sides, and on a busy host that CPU comes out of the programs' own t
 Here an operation batch is one frame, and completions are pushed without being asked
 for: whatever completed goes out as soon as the worker's executor has nothing more to
 launch, and while it works through a queue, in frames of up to FLUSH_AT completions at
-most FLUSH_AFTER_S after the first of them. Operations that complete back to back travel
+most FLUSH_AFTER_S after the first of them (FLUSH_AFTER_DEEP_S while the queue is deep). Operations that complete back to back travel
 together: a frame each way per call would cost a wake-up of a thread on both ends and a
 turn of the controller's event loop for every operation (about half a millisecond of CPU
 per call on the 2-core simulation, measured with `slicewise bench dispatch`).
@@ -58,6 +58,12 @@ FLUSH_AT = 64
 # Step times are measured on the worker (OpResult.started_ns/finished_ns), so this delays
 # only when the controller hears of a completion, never what it reports.
 FLUSH_AFTER_S = 0.005
+# ... and while at least DEEP_BACKLOG operations are queued on this worker: then hearing
+# later starves no one (the controller refills its window long before it runs dry), and
+# a client's stream of short calls costs a frame per ~20 ms instead of per ~2 calls.
+# A job's runner keeps only a few steps queued, so its completions keep the short bound.
+DEEP_BACKLOG = 64
+FLUSH_AFTER_DEEP_S = 0.02
 
 # How often a worker says it is alive, and where it is.
 BEAT_S = 0.5
@@ -89,6 +95,7 @@ class WorkerEnd:
         on_sent: OnSent | None = None,
         progress: Callable[[], dict[str, Any]] | None = None,
         beat_s: float = BEAT_S,
+        backlog: Callable[[], int] | None = None,
     ) -> None:
         if not token:
             raise ValueError("a control channel needs a token")
@@ -98,6 +105,7 @@ class WorkerEnd:
         self._on_sent = on_sent
         self._progress = progress or dict
         self._beat_s = beat_s
+        self._backlog = backlog or (lambda: 0)  # operations queued or running here
         self._done: list[OpResult] = []
         self._first_done = 0.0  # time.monotonic() when the oldest of `_done` was queued
         self._flushing = False  # `flush` was called: send what is queued now
@@ -202,7 +210,8 @@ class WorkerEnd:
                     if not self._done:
                         self._cond.wait()
                         continue
-                    left = self._first_done + FLUSH_AFTER_S - time.monotonic()
+                    bound = FLUSH_AFTER_DEEP_S if self._backlog() >= DEEP_BACKLOG else FLUSH_AFTER_S
+                    left = self._first_done + bound - time.monotonic()
                     if self._flushing or len(self._done) >= FLUSH_AT or left <= 0:
                         break
                     self._cond.wait(left)

@@ -104,9 +104,13 @@ class _Flight:
 
     __slots__ = ("done", "error", "fut", "launched_ns", "op", "pending", "ready_ns", "values")
 
-    def __init__(self, op: Op, pending: Pending, fut: Future[OpResult], launched_ns: int) -> None:
+    def __init__(
+        self, op: Op, pending: Pending, fut: Future[OpResult] | None, launched_ns: int
+    ) -> None:
         self.op, self.pending, self.fut, self.launched_ns = op, pending, fut, launched_ns
-        self.done = threading.Event()
+        # Set by the watcher under the executor's `_watched` condition (one condition for
+        # all flights: an Event each cost ~20 us per operation to make).
+        self.done = False
         self.values: Any = None
         self.error: Exception | None = None
         self.ready_ns = 0
@@ -139,12 +143,15 @@ class InOrderExecutor:
         self._devices_free_ns = 0
         self._window = window
         self._next = first_seq
-        self._waiting: dict[int, tuple[Op, Future[OpResult]]] = {}
+        # Queued operations by seq, with the future `submit` returned (None: `enqueue`).
+        self._waiting: dict[int, tuple[Op, Future[OpResult] | None]] = {}
         self._in_flight: deque[_Flight] = deque()
         self._to_watch: queue.SimpleQueue[_Flight | None] = queue.SimpleQueue()
+        self._watched = threading.Condition(threading.Lock())  # a flight's `done` set
         self._cond = threading.Condition()
         self._stopped = False
         self._max_in_flight = 0
+        self._held = 0  # submitted and not completed (see backlog), changed under _cond
         # For `progress`: the operation being applied on the executor's thread, and when
         # the executor last completed one (or got work after having none).
         self._applying: Op | None = None
@@ -164,6 +171,10 @@ class InOrderExecutor:
     def window(self) -> int:
         return self._window
 
+    def backlog(self) -> int:
+        """Operations submitted and not completed yet (safe from any thread)."""
+        return self._held
+
     @property
     def max_in_flight(self) -> int:
         """The most operations ever outstanding at once (for tests and stats)."""
@@ -177,7 +188,7 @@ class InOrderExecutor:
         # A program whose outputs are ready is done, though the executor's thread (busy,
         # or stuck, on a later op) has not reported it yet.
         flights = [self._retiring, *list(self._in_flight)]
-        running = [f.op for f in flights if f is not None and not f.done.is_set()]
+        running = [f.op for f in flights if f is not None and not f.done]
         oldest = running[0] if running else self._applying
         if oldest is None and waiting is not None:
             oldest = waiting[0]
@@ -192,6 +203,18 @@ class InOrderExecutor:
         Raises:
             SequenceError: an operation reuses a sequence number.
         """
+        return self._queue(ops, with_futures=True)
+
+    def enqueue(self, ops: Sequence[Op]) -> None:
+        """Queues operations whose completions only `on_done` hears of (the control
+        channel's way: no future to make and resolve per operation).
+
+        Raises:
+            SequenceError: an operation reuses a sequence number.
+        """
+        self._queue(ops, with_futures=False)
+
+    def _queue(self, ops: Sequence[Op], *, with_futures: bool) -> list[Future[OpResult]]:
         futures: list[Future[OpResult]] = []
         with self._cond:
             if self._stopped:
@@ -206,9 +229,12 @@ class InOrderExecutor:
             if not self._waiting and not self._in_flight and self._applying is None:
                 self._progress_ns = self._clock()  # idle until now: no stall so far
             for op in ops:
-                fut: Future[OpResult] = Future()
+                fut: Future[OpResult] | None = None
+                if with_futures:
+                    fut = Future()
+                    futures.append(fut)
                 self._waiting[op.seq] = (op, fut)
-                futures.append(fut)
+            self._held += len(ops)
             self._cond.notify_all()
         return futures
 
@@ -244,11 +270,11 @@ class InOrderExecutor:
                 # block for long (or for ever, on a host stuck in a collective): the
                 # channel sends what is reported within its bound whatever this thread
                 # then does.
-                while self._in_flight and (self._in_flight[0].done.is_set() or _has_runs(ready[0])):
+                while self._in_flight and (self._in_flight[0].done or _has_runs(ready[0])):
                     self._retire_oldest()
                 self._launch(*ready)
 
-    def _launch(self, op: Op, fut: Future[OpResult]) -> None:
+    def _launch(self, op: Op, fut: Future[OpResult] | None) -> None:
         launched = self._clock()
         self._applying = op
         try:
@@ -289,7 +315,9 @@ class InOrderExecutor:
             except Exception as exc:  # noqa: BLE001 - reported to the controller, not raised
                 flight.error = exc
             flight.ready_ns = self._clock()
-            flight.done.set()
+            with self._watched:
+                flight.done = True
+                self._watched.notify()
 
     def _retire_oldest(self) -> None:
         """Waits until the watcher is done with the oldest program in flight, and reports
@@ -297,7 +325,9 @@ class InOrderExecutor:
         if not self._in_flight:
             return
         flight = self._retiring = self._in_flight.popleft()
-        flight.done.wait()
+        with self._watched:
+            while not flight.done:
+                self._watched.wait()
         self._retiring = None
         started = max(flight.launched_ns, self._devices_free_ns)
         self._devices_free_ns = flight.ready_ns
@@ -314,7 +344,7 @@ class InOrderExecutor:
     def _finish(
         self,
         op: Op,
-        fut: Future[OpResult],
+        fut: Future[OpResult] | None,
         launched_ns: int,
         started_ns: int,
         finished_ns: int,
@@ -326,14 +356,20 @@ class InOrderExecutor:
             self._on_failure(op, message)
         result = OpResult(op.seq, message, values, started_ns, finished_ns)
         self._progress_ns = self._clock()
+        with self._cond:
+            self._held -= 1
         if self._on_done is not None:
             self._on_done(op, launched_ns, finished_ns, result)
-        fut.set_result(result)
+        if fut is not None:
+            fut.set_result(result)
 
     def _fail_all(self, reason: str) -> None:
+        self._held = 0  # under _cond, as _loop calls this
         for op, fut in self._waiting.values():
-            fut.set_result(OpResult(op.seq, reason))
+            if fut is not None:
+                fut.set_result(OpResult(op.seq, reason))
         self._waiting.clear()
         for flight in self._in_flight:
-            flight.fut.set_result(OpResult(flight.op.seq, reason))
+            if flight.fut is not None:
+                flight.fut.set_result(OpResult(flight.op.seq, reason))
         self._in_flight.clear()

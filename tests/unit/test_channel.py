@@ -182,6 +182,29 @@ def test_operations_that_complete_back_to_back_come_back_in_one_frame(worker):
     assert run(scenario()) == list(range(1, 21))
 
 
+def test_completions_go_out_unflushed_also_while_the_backlog_is_deep():
+    """With a deep backlog the bound is longer (FLUSH_AFTER_DEEP_S), never unbounded."""
+    worker = Worker(flush=False, backlog=lambda: 10_000)
+    try:
+
+        async def scenario():
+            channel = await ControllerEnd.connect(worker.server.address, TOKEN, 1, "host 0")
+            await channel.send([DeleteOp(seq, ()) for seq in range(1, 4)])
+            seqs = await receive_all(channel, 3)
+            channel.close()
+            return seqs
+
+        assert run(scenario()) == [1, 2, 3]
+        assert worker.end.counts == {
+            "frames_in": 1,
+            "ops_in": 3,
+            "frames_out": worker.end.counts["frames_out"],
+            "completions_out": 3,
+        }
+    finally:
+        worker.close()
+
+
 def test_completions_go_out_unflushed_within_the_bound():
     """An executor that never says it is idle (busy for ever, say) still has its
     completions sent: the channel sends them FLUSH_AFTER_S after the first."""

@@ -409,6 +409,23 @@ def test_progress_names_the_oldest_unfinished_op_and_how_long_nothing_completed(
     wait_until(lambda: executor.progress() == Progress(), timeout_s=TIMEOUT, what="all done")
 
 
+def test_backlog_counts_what_is_held_until_it_completes(start):
+    device = FakeDevice(gated=True)
+    executor = start(device, window=2)
+    assert executor.backlog() == 0
+    futures = executor.submit([op(seq) for seq in range(1, 6)])
+    device.wait_launched(2)
+    assert executor.backlog() == 5  # two in flight, three queued behind them
+    device.open(1)
+    futures[0].result(timeout=TIMEOUT)
+    assert executor.backlog() == 4
+    for seq in range(2, 6):
+        device.wait_launched(seq)
+        device.open(seq)
+    results(futures)
+    assert executor.backlog() == 0
+
+
 def test_progress_skips_programs_whose_outputs_are_ready_while_a_later_op_blocks(start):
     clock = FakeClock()
     blocked = threading.Event()
