@@ -14,11 +14,14 @@ against (a) multi-controller JAX running the same loop on the same worker proces
 no controller, and (b) a plain Ray driver calling ordinary actors once per computation.
 Then the paper's Figure 6 sweep: the computation made longer (0.1 ms to ~100 ms of
 per-device work) to find the shortest computation for which slicewise's OpByOp
-throughput reaches 95% of multi-controller JAX (the paper reports 2.3 ms at 16 hosts).
+throughput reaches 95% of multi-controller JAX (the paper reports 2.3 ms at 16 hosts);
+at each length the ratio is the median of paired rounds, each measuring both.
 
 It also prints where each OpByOp call's CPU goes (client, controller, workers; the
-workers' against their own cost when they run the loop themselves), and the controller's
-CPU per call on gangs of 1, 2, 4 and 8 hosts, extrapolated to a 12,800-host gang.
+workers' by thread, against their own cost when they run the loop themselves, flat out
+and at OpByOp's pace), how busy the cores were and what ratio the CPU per call alone
+allows, and the controller's CPU per call on gangs of 1, 2, 4 and 8 hosts, extrapolated
+to a 12,800-host gang.
 """
 
 from __future__ import annotations
@@ -202,17 +205,30 @@ def run(quick: bool = False) -> dict[str, Any]:
                 )
                 program(x).block_until_ready()
                 mc_rate = multi_controller_rate(gang, program.id, [x.handle], 20, WINDOW)
-                calls = int(min(n, max(20, 3.0 * mc_rate)))  # about 3 s per measurement
-                mc_rate = multi_controller_rate(gang, program.id, [x.handle], calls, WINDOW)
-                ours = _opbyop_async(program, x, calls)
+                calls = int(min(n, max(20, 2.0 * mc_rate)))  # about 2 s per measurement
+                # Paired rounds, each both ways back to back: on this shared VM the speed
+                # drifts by tens of percent within a minute, which a single measurement
+                # of each took for the ratio (one run's sweep went 0.93, 0.84, 1.06).
+                rounds = [
+                    (
+                        multi_controller_rate(gang, program.id, [x.handle], calls, WINDOW),
+                        _opbyop_async(program, x, calls),
+                    )
+                    for _ in range(reps)
+                ]
+                ratios = [ours / mc for mc, ours in rounds]
+                mc_rate = float(np.median([mc for mc, _ in rounds]))
                 sweep.append(
                     {
                         "work_iters": iters,
                         "length_ms": 1e3 / mc_rate,
                         "calls": calls,
-                        "slicewise": ours,
+                        "rounds": len(rounds),
+                        "slicewise": float(np.median([ours for _, ours in rounds])),
                         "multi_controller": mc_rate,
-                        "ratio": ours / mc_rate,
+                        "ratio": float(np.median(ratios)),
+                        "ratio_min": min(ratios),
+                        "ratio_max": max(ratios),
                     }
                 )
         gang.release()
@@ -423,8 +439,12 @@ def report(result: dict[str, Any]) -> str:
         f"(fused {b['multi_controller_fused']['median']:.0f}/s); plain Ray "
         f"{b['plain_ray_waited']:.0f}/s waited, {b['plain_ray_pipelined']:.0f}/s pipelined",
         "ratios: " + ", ".join(f"{k} {v:.2f}" for k, v in r.items()),
-        "sweep: "
-        + ", ".join(f"{p['length_ms']:.2f} ms -> {p['ratio']:.2f}" for p in result["sweep"]),
+        "sweep (median of paired rounds, min-max): "
+        + ", ".join(
+            f"{p['length_ms']:.2f} ms -> {p['ratio']:.2f}"
+            + (f" ({p['ratio_min']:.2f}-{p['ratio_max']:.2f})" if "ratio_min" in p else "")
+            for p in result["sweep"]
+        ),
         f"break-even (>= 95% of multi-controller): {result['break_even_ms']} ms",
     ]
     scaling = result.get("controller_scaling")
