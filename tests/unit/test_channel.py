@@ -182,19 +182,24 @@ def test_operations_that_complete_back_to_back_come_back_in_one_frame(worker):
     assert run(scenario()) == list(range(1, 21))
 
 
+def send_three_unflushed(worker):
+    """Sends ops 1-3 to a worker whose executor never flushes; the seqs that came back."""
+
+    async def scenario():
+        channel = await ControllerEnd.connect(worker.server.address, TOKEN, 1, "host 0")
+        await channel.send([DeleteOp(seq, ()) for seq in range(1, 4)])
+        seqs = await receive_all(channel, 3)
+        channel.close()
+        return seqs
+
+    return run(scenario())
+
+
 def test_completions_go_out_unflushed_also_while_the_backlog_is_deep():
     """With a deep backlog the bound is longer (FLUSH_AFTER_DEEP_S), never unbounded."""
     worker = Worker(flush=False, backlog=lambda: 10_000)
     try:
-
-        async def scenario():
-            channel = await ControllerEnd.connect(worker.server.address, TOKEN, 1, "host 0")
-            await channel.send([DeleteOp(seq, ()) for seq in range(1, 4)])
-            seqs = await receive_all(channel, 3)
-            channel.close()
-            return seqs
-
-        assert run(scenario()) == [1, 2, 3]
+        assert send_three_unflushed(worker) == [1, 2, 3]
         assert worker.end.counts == {
             "frames_in": 1,
             "ops_in": 3,
@@ -210,15 +215,7 @@ def test_completions_go_out_unflushed_within_the_bound():
     completions sent: the channel sends them FLUSH_AFTER_S after the first."""
     worker = Worker(flush=False)
     try:
-
-        async def scenario():
-            channel = await ControllerEnd.connect(worker.server.address, TOKEN, 1, "host 0")
-            await channel.send([DeleteOp(seq, ()) for seq in range(1, 4)])
-            seqs = await receive_all(channel, 3)
-            channel.close()
-            return seqs
-
-        assert run(scenario()) == [1, 2, 3]
+        assert send_three_unflushed(worker) == [1, 2, 3]
     finally:
         worker.close()
 
