@@ -7,10 +7,11 @@ each on both sides, and on a busy host that CPU comes out of the programs' own t
 Here an operation batch is one frame, and completions are pushed without being asked
 for: whatever completed goes out as soon as the worker's executor has nothing more to
 launch, and while it works through a queue, in frames of up to FLUSH_AT completions at
-most FLUSH_AFTER_S after the first of them (FLUSH_AFTER_DEEP_S while the queue is deep). Operations that complete back to back travel
-together: a frame each way per call would cost a wake-up of a thread on both ends and a
-turn of the controller's event loop for every operation (about half a millisecond of CPU
-per call on the 2-core simulation, measured with `slicewise bench dispatch`).
+most FLUSH_AFTER_S after the first of them (FLUSH_AFTER_DEEP_S while the queue is
+deep). Operations that complete back to back travel together: a frame each way per call
+would cost a wake-up of a thread on both ends and a turn of the controller's event loop
+for every operation (about half a millisecond of CPU per call on the 2-core simulation,
+measured with `slicewise bench dispatch`).
 
 The connection is opened by the controller to the worker's data port (transport.py), with
 a JSON hello carrying the gang's secret token and epoch; the worker decodes no frame from
