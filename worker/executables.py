@@ -28,12 +28,15 @@ from typing import Any
 log = logging.getLogger(__name__)
 
 ENV_VAR = "JAX_COMPILATION_CACHE_DIR"
+# In the file names: files stored before executables were compiled apart from JAX's
+# persistent cache (format 1) may lack their kernels, so they are never read.
+FORMAT = 2
 
 
 def executable_path(directory: str, program_id: str, num_processes: int, process_id: int) -> Path:
     import jax
 
-    name = f"{program_id}-n{num_processes}-p{process_id}-jax{jax.__version__}.executable"
+    name = f"{program_id}-n{num_processes}-p{process_id}-jax{jax.__version__}-f{FORMAT}.executable"
     return Path(directory) / "slicewise-executables" / name
 
 
@@ -51,7 +54,13 @@ def compile_cached(
             return deserialize_and_load(data, in_tree, out_tree)
         except Exception as exc:  # noqa: BLE001 - a stale or torn file: compile instead
             log.warning("cannot load the compiled program %s (%s); compiling it", path, exc)
-    with jax.set_mesh(mesh):
+    from jax._src import config as jax_config
+
+    # Compiled here, not taken from JAX's persistent cache: an executable JAX loaded from
+    # its cache serializes without its kernels (XLA:CPU, jax 0.10), and the copy stored
+    # from it fails in the next process that loads it ("NOT_FOUND: Function ... not
+    # found"), or hangs a collective against a peer that compiled afresh.
+    with jax.set_mesh(mesh), jax_config.enable_compilation_cache(False):
         compiled = call.trace(*args, **kwargs).lower().compile()
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
