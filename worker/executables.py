@@ -59,7 +59,7 @@ def compile_cached(
     # Compiled here, not taken from JAX's persistent cache: an executable JAX loaded from
     # its cache serializes without its kernels (XLA:CPU, jax 0.10), and the copy stored
     # from it fails in the next process that loads it ("NOT_FOUND: Function ... not
-    # found"), or hangs a collective against a peer that compiled afresh.
+    # found"; a first step stuck on one host, seen the same way, was most likely this).
     with jax.set_mesh(mesh), jax_config.enable_compilation_cache(False):
         compiled = call.trace(*args, **kwargs).lower().compile()
     try:
