@@ -233,23 +233,36 @@ def test_saves_apply_their_retention_to_a_directory_a_restore_opened(runtime, tm
     assert committed_steps(directory) == [1, 4, 5]
 
 
-def test_setting_up_a_directorys_checkpointer_counts_as_compiling(runtime, tmp_path, monkeypatch):
+def test_a_directorys_setup_and_first_save_count_as_compiling(runtime, tmp_path, monkeypatch):
     """The heartbeat's `compiling` is set while the first checkpoint op of a directory
-    sets up (orbax's import, the checkpointer): the step watchdog lets it take long."""
+    sets up (orbax's import, the checkpointer) and while its first save copies and
+    queues: the step watchdog lets them take long. Later saves are watched; a directory
+    closed and opened again sets up again."""
     import worker.checkpoint
 
     seen = []
 
     class Recording(worker.checkpoint.HostCheckpointer):
         def __init__(self, *args, **kwargs):
-            seen.append(runtime.compiling)
+            seen.append(("setup", runtime.compiling))
             super().__init__(*args, **kwargs)
 
+    queued_save = worker.checkpoint.QueuedCheckpointer.save
+
+    def recording_save(self, step, *args, **kwargs):
+        seen.append((step, runtime.compiling))
+        return queued_save(self, step, *args, **kwargs)
+
     monkeypatch.setattr(worker.checkpoint, "HostCheckpointer", Recording)
+    monkeypatch.setattr(worker.checkpoint.QueuedCheckpointer, "save", recording_save)
     put_state(runtime)
     directory = str(tmp_path / "ckpt")
     runtime.apply(save_op(1, directory, 1))
-    runtime.apply(save_op(2, directory, 2))  # the same checkpointer: no setup
+    runtime.apply(save_op(2, directory, 2))  # the same checkpointer, saved before
     runtime.apply(CloseCheckpointsOp(3, directory, "t"))
-    assert seen == [f"checkpointing in {directory}"]
+    runtime.apply(save_op(4, directory, 3))  # opened again
+    runtime.apply(CloseCheckpointsOp(5, directory, "t"))
+    setup, first = f"checkpointing in {directory}", f"the first save in {directory}"
+    assert seen == [("setup", setup), (1, first), (2, ""), ("setup", setup), (3, first)]
     assert runtime.compiling == ""
+    assert committed_steps(directory) == [1, 2, 3]
