@@ -32,6 +32,13 @@ def simulated_host_env(placement: HostPlacement) -> dict[str, str]:
         "TF_CPP_MIN_LOG_LEVEL": "2",
         # XLA's in-process threads would otherwise assume every core is theirs.
         "OMP_NUM_THREADS": "1",
+        # XLA:CPU allocates a device buffer with malloc, and glibc maps every one of
+        # 32 MiB or more afresh (its mmap threshold stops there): each call producing
+        # one faulted it in 4-KiB pages. Transparent huge pages for those maps took the
+        # 256-MiB slice-to-slice transfer from 0.57 to 0.94 of a raw TCP exchange on the
+        # 2-core VM (`slicewise bench transfer`, same hour). glibc >= 2.35; older ones
+        # ignore it.
+        "GLIBC_TUNABLES": "glibc.malloc.hugetlb=1",
     }
 
 

@@ -1,5 +1,9 @@
 """Slice types and sim specs, worker environments, protobuf conversions, and gRPC status codes."""
 
+import os
+import platform
+import subprocess
+
 import grpc
 import numpy as np
 import pytest
@@ -105,6 +109,26 @@ def test_simulated_env_gives_the_host_one_cpu_device_per_chip():
     env = simulated_host_env(HostPlacement(0, 0, 1, 1, 8))
     assert env["JAX_PLATFORMS"] == "cpu"
     assert "--xla_force_host_platform_device_count=8" in env["XLA_FLAGS"].split()
+
+
+LOADERS = ("/lib64/ld-linux-x86-64.so.2", "/lib/ld-linux-aarch64.so.1")
+
+
+def test_simulated_env_asks_glibc_for_huge_pages_in_a_form_it_reads():
+    """The tunable is spelled as glibc reads it: its own loader lists it as set."""
+    loader = next((p for p in LOADERS if os.path.exists(p)), None)
+    if loader is None or platform.libc_ver()[0] != "glibc":
+        pytest.skip("no glibc dynamic loader at a known path")
+    env = simulated_host_env(HostPlacement(0, 0, 1, 1, 8))
+    listed = subprocess.run(
+        [loader, "--list-tunables"],
+        env={**os.environ, **env},
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=60,
+    ).stdout
+    assert "glibc.malloc.hugetlb: 0x1 " in listed
 
 
 def test_tpu_env_for_one_slice_has_no_megascale_variables():
