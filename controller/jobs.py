@@ -1177,7 +1177,9 @@ class JobRunner:
             if job.dcn_predicted is None and job.mesh is not None:
                 # Once per start; the workers go on with the queued steps meanwhile.
                 await self._predict_dcn(job, gang, job.step_program_id)
-            if self.controller.simulated:
+            # One slice has no DCN to measure, and a reading (`ss` over every socket of
+            # the machine) cost a 5-ms step job a tenth of a core.
+            if self.controller.simulated and gang.shape.num_slices > 1:
                 await self._start_dcn_meter(job, gang, step, ahead)
             return record
         meter = job.dcn_meter
