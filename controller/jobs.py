@@ -44,7 +44,7 @@ import dataclasses
 import json
 import logging
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
@@ -97,6 +97,8 @@ log = logging.getLogger(__name__)
 # Measure the traffic between slices every this many steps (where it is measured): the
 # steps `slicewise watch` shows routing and traffic on (controller/jobview.py).
 DCN_EVERY = 10
+# Exported training programs the runner keeps for jobs that start again (see _exported).
+EXPORTS_KEPT = 8
 
 
 def training_axes(mesh: MeshSpec) -> ParallelAxes:
@@ -157,6 +159,8 @@ class JobRunner:
         self.jobs: dict[str, Job] = {}
         self._next = journal.next_job_number()
         self._stopping = False
+        # Exported training programs by (program, overrides, mesh, platform), newest last.
+        self._exports: OrderedDict[tuple[Any, ...], ExportedTraining] = OrderedDict()
         # Jobs an earlier run of this controller left unfinished; `resume` restarts them.
         self._unfinished: list[Job] = []
         for record in journal.jobs():  # jobs of an earlier run of this controller
@@ -501,6 +505,48 @@ class JobRunner:
         stype = lookup_slice_type(job.spec.slice_type)
         return missing > 0 and len(self.controller.scheduler.free_slices(stype)) >= missing
 
+    async def _exported(
+        self, job: Job, key: tuple[str, tuple[tuple[str, str], ...], MeshSpec, str], config: Any
+    ) -> ExportedTraining:
+        """The program's init and step exported for the mesh, made once per (program,
+        overrides, mesh, platform) and kept: a job that recovers, resumes or is submitted
+        again starts without tracing and lowering them anew (about a second of CPU for
+        the small LM here, far more for a large model)."""
+        from programs.base import get_program, make_flat_train_fns
+
+        program_name, _, mesh, platform = key
+        exported = self._exports.get(key)
+        if exported is not None:
+            self._exports.move_to_end(key)
+            log.info(
+                "job %s: %s for mesh %s exported before; reused",
+                job.job_id,
+                program_name,
+                mesh.describe(),
+            )
+            return exported
+        started = time.monotonic()
+        exported = await asyncio.to_thread(
+            _export,
+            make_flat_train_fns,
+            get_program(program_name),
+            config,
+            mesh.abstract(),
+            training_axes(mesh),
+            platform,
+        )
+        self._exports[key] = exported
+        while len(self._exports) > EXPORTS_KEPT:
+            self._exports.popitem(last=False)
+        log.info(
+            "job %s: %s exported for mesh %s in %.1f s",
+            job.job_id,
+            program_name,
+            mesh.describe(),
+            time.monotonic() - started,
+        )
+        return exported
+
     async def _grow_back(self, job: Job, gang: Gang) -> None:
         """Lets go of the smaller gang (its last checkpoint committed) and queues for one
         of the job's full size; `_run` then restores that checkpoint on it."""
@@ -829,17 +875,16 @@ class JobRunner:
     async def _train_on(self, job: Job, gang: Gang) -> bool:
         import jax
 
-        from programs.base import get_program, make_flat_train_fns
+        from programs.base import get_program
 
         c = self.controller
         spec = job.spec
         program = get_program(spec.program)
         config = program.make_config(dict(spec.overrides))
         mesh = job.mesh = spec.mesh_for(gang.shape)
-        abstract = mesh.abstract()
         axes = training_axes(mesh)
-        exported = await asyncio.to_thread(
-            _export, make_flat_train_fns, program, config, abstract, axes, gang.platform
+        exported = await self._exported(
+            job, (spec.program, tuple(sorted(spec.overrides)), mesh, gang.platform), config
         )
         init_art, step_art, flops = exported.init, exported.step, exported.flops
         state_specs = exported.state_specs

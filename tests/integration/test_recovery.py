@@ -74,7 +74,7 @@ def uninterrupted(lm_reference):
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("kind", ["kill-worker", "remove-host", "hang-collective"])
 def test_a_job_recovers_by_itself_from_a_fault_with_the_same_losses(
-    kind, chaos_client, uninterrupted
+    kind, chaos_controller, chaos_client, uninterrupted
 ):
     client = chaos_client
     seed = int.from_bytes(os.urandom(4), "little")
@@ -106,6 +106,13 @@ def test_a_job_recovers_by_itself_from_a_fault_with_the_same_losses(
     # Every step once, each with the uninterrupted run's loss, bit for bit.
     assert [s.step for s in steps] == list(range(STEPS))
     assert_losses_match(steps, uninterrupted[1], after=f"{kind} at step {at}")
+    # The recovered start did not export the programs again.
+    exports = [
+        line
+        for line in controller_log(chaos_controller).splitlines()
+        if f"job {job.job_id}: lm " in line and " export" in line
+    ]
+    assert len(exports) == 2 and "exported before; reused" in exports[1], exports
 
 
 def step_log(client, job_id: str) -> tuple[threading.Thread, list[int]]:
