@@ -45,10 +45,13 @@ def start_controller(tmp_path_factory, name: str, *, extra_args=(), **kwargs) ->
     directory = Path(tmp_path_factory.mktemp(name))
     path = directory / f"{name}.log"
     _LOGS.append(path)
+    # No test waits for a silent worker to be given up on, and on the 2-core CI machine
+    # the whole machine stalls for 10-20 s now and then under the suite's load (a
+    # raylet's event loop queued a timer for 19.9 s, and workers of two clusters fell
+    # silent at once): a 10-s heartbeat limit failed healthy gangs there.
+    args = ("--state-dir", str(directory / "state"), "--heartbeat-timeout", "60", *extra_args)
     with open(path, "w") as log:
-        proc = ControllerProcess(
-            stderr=log, extra_args=("--state-dir", str(directory / "state"), *extra_args), **kwargs
-        )
+        proc = ControllerProcess(stderr=log, extra_args=args, **kwargs)
     _LOG_OF[proc.pid] = path
     return proc
 
