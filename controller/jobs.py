@@ -508,15 +508,16 @@ class JobRunner:
         return missing > 0 and len(self.controller.scheduler.free_slices(stype)) >= missing
 
     async def _exported(
-        self, job: Job, key: tuple[str, tuple[tuple[str, str], ...], MeshSpec, str], config: Any
+        self, job: Job, program: Any, config: Any, mesh: MeshSpec, axes: ParallelAxes, platform: str
     ) -> ExportedTraining:
         """The program's init and step exported for the mesh, made once per (program,
         overrides, mesh, platform) and kept: a job that recovers, resumes or is submitted
         again starts without tracing and lowering them anew (about a second of CPU for
         the small LM here, far more for a large model)."""
-        from programs.base import get_program, make_flat_train_fns
+        from programs.base import make_flat_train_fns
 
-        program_name, _, mesh, platform = key
+        program_name = job.spec.program
+        key = (program_name, tuple(sorted(job.spec.overrides)), mesh, platform)
         exported = self._exports.get(key)
         if exported is not None:
             self._exports.move_to_end(key)
@@ -531,10 +532,10 @@ class JobRunner:
         exported = await asyncio.to_thread(
             _export,
             make_flat_train_fns,
-            get_program(program_name),
+            program,
             config,
             mesh.abstract(),
-            training_axes(mesh),
+            axes,
             platform,
         )
         self._exports[key] = exported
@@ -893,9 +894,7 @@ class JobRunner:
         config = program.make_config(dict(spec.overrides))
         mesh = job.mesh = spec.mesh_for(gang.shape)
         axes = training_axes(mesh)
-        exported = await self._exported(
-            job, (spec.program, tuple(sorted(spec.overrides)), mesh, gang.platform), config
-        )
+        exported = await self._exported(job, program, config, mesh, axes, gang.platform)
         init_art, step_art, flops = exported.init, exported.step, exported.flops
         state_specs = exported.state_specs
         job.stat_shapes = exported.stat_shapes

@@ -348,6 +348,7 @@ class QueuedCheckpointer:
         self._queued: deque[_Queued] = deque()  # not yet known to have committed
         self._failed: tuple[int, BaseException] | None = None  # the first failed save
         self._broken: int | None = None  # the same save's step, as the thread saw it
+        self.saves = 0  # saves queued so far
         # A daemon: a save stuck in a barrier of a gang that is gone must not hold up exit.
         self._thread = threading.Thread(target=self._run, name="checkpoint-save", daemon=True)
         self._thread.start()
@@ -388,6 +389,7 @@ class QueuedCheckpointer:
         queued = _Queued(step, max_to_keep, tuple(keep_steps), threading.Event(), futures.Future())
         self._queued.append(queued)
         self._queue.put((queued, state, plain))
+        self.saves += 1
         if wait_for_copy:
             queued.copied.wait()
 

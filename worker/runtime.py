@@ -108,7 +108,6 @@ class JaxRuntime:
         # Open checkpoint directories, by (directory, barrier prefix); created by the
         # first checkpoint operation on them (jax.distributed is up by then).
         self._checkpointers: dict[tuple[str, str], QueuedCheckpointer] = {}
-        self._saved_in: set[tuple[str, str]] = set()  # checkpointers that saved once
         # The program being compiled (its first call), for the heartbeat: a host that
         # compiles is busy, not stuck, and the others wait for it in the first collective.
         self.compiling = ""
@@ -316,12 +315,11 @@ class JaxRuntime:
         import json
 
         state = [self.buffers.get(h) for h in op.handles]
-        key = (op.directory, op.barrier_prefix)
-        checkpointer = self._checkpointer(*key)
+        checkpointer = self._checkpointer(op.directory, op.barrier_prefix)
         # A directory's first save is one-time setup as well: orbax's first copy to host
         # memory and first write (a job's first save ran past the recovery tests' 8-s
         # step timeout under load, and the job "recovered" from it).
-        first = key not in self._saved_in
+        first = checkpointer.saves == 0
         with self._setting_up(f"the first save in {op.directory}") if first else _NO_SETUP:
             # Queued to the directory's save thread, which copies the arrays to host
             # memory and commits them in the background, in queue order on every host.
@@ -338,7 +336,6 @@ class JaxRuntime:
                 # only the commit goes on behind.
                 wait_for_copy=True,
             )
-        self._saved_in.add(key)
 
     def _restore(self, op: RestoreOp) -> None:
         import jax
@@ -417,7 +414,6 @@ class JaxRuntime:
 
     def _close_checkpointer(self, op: CloseCheckpointsOp) -> None:
         checkpointer = self._checkpointers.pop((op.directory, op.barrier_prefix), None)
-        self._saved_in.discard((op.directory, op.barrier_prefix))
         if checkpointer is not None:
             checkpointer.close(timeout=op.timeout_s)
 
