@@ -4,10 +4,17 @@
   (`HostWorker.bench_loop`), the way a MaxText-style job runs.
 - Plain Ray: a driver calls one method per computation on ordinary Ray actors (one per
   host, on the same nodes, with the same JAX setup), waiting for each or pipelining.
+
+Both are driven from a `BaselineDriver`: a process of its own that joins the
+controller's Ray cluster, so that the client measuring slicewise is not a Ray driver
+too (a driver keeps threads of its own busy) and both sides are measured from
+processes alike.
 """
 
 from __future__ import annotations
 
+import contextlib
+import multiprocessing
 import time
 from typing import Any
 
@@ -19,13 +26,19 @@ from slicewise.common.ops import ExecOp, LoadOp, PutOp
 
 
 def multi_controller_rate(
-    gang: Any, program_id: str, handles: list[str], n: int, window: int = 3, pace_s: float = 0.0
+    actor_names: list[str],
+    program_id: str,
+    handles: list[str],
+    n: int,
+    window: int = 3,
+    pace_s: float = 0.0,
 ) -> float:
-    """Computations per second when every worker of `gang` loops on its own (with
-    `pace_s`, launching no faster than one call per `pace_s`: JaxRuntime.run_loop)."""
+    """Computations per second when every worker of a gang (its actors' names) loops on
+    its own (with `pace_s`, launching no faster than one call per `pace_s`:
+    JaxRuntime.run_loop). Needs a Ray driver in this process."""
     import ray
 
-    actors = [ray.get_actor(w.actor_name, namespace="slicewise") for w in gang.stats().workers]
+    actors = [ray.get_actor(name, namespace="slicewise") for name in actor_names]
     seconds = ray.get(
         [a.bench_loop.remote(program_id, handles, n, window, pace_s) for a in actors],
         timeout=600,
@@ -33,14 +46,15 @@ def multi_controller_rate(
     return n / max(seconds)
 
 
-def worker_thread_names(gang: Any) -> dict[int, dict[int, str]]:
-    """Each worker's Python threads by OS thread id, by worker pid (HostWorker.thread_names)."""
+def worker_thread_names(actor_names: list[str]) -> dict[int, dict[int, str]]:
+    """Each worker's Python threads by OS thread id, by worker pid (HostWorker.thread_names
+    and .stats). Needs a Ray driver in this process."""
     import ray
 
-    workers = gang.stats().workers
-    actors = [ray.get_actor(w.actor_name, namespace="slicewise") for w in workers]
+    actors = [ray.get_actor(name, namespace="slicewise") for name in actor_names]
     names = ray.get([a.thread_names.remote() for a in actors], timeout=60)
-    return {w.pid: n for w, n in zip(workers, names, strict=True)}
+    pids = [s["pid"] for s in ray.get([a.stats.remote() for a in actors], timeout=60)]
+    return dict(zip(pids, names, strict=True))
 
 
 class PlainJaxActor:
@@ -78,58 +92,188 @@ class PlainJaxActor:
         self.runtime.apply(ExecOp(self._seq, "p", ("x",), ("x",))).wait()
 
 
-def plain_ray_rates(
-    shape: GangShape,
-    node_ids: list[str],
-    serialized: bytes,
-    mesh: MeshSpec,
-    x: np.ndarray,
-    pspec: tuple,
-    n: int,
-) -> dict[str, float]:
-    """Computations per second with a Ray driver calling plain actors: each call waited
-    for ("waited"), and all calls submitted before waiting ("pipelined")."""
-    import ray
-    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+class PlainRay:
+    """Plain Ray actors, one per host of a gang's shape on the given nodes, each running
+    the program on its part of `x`; `waited` and `pipelined` time calls of it. Needs a
+    Ray driver in this process; `close` kills the actors."""
 
-    remote_cls = ray.remote(PlainJaxActor)
-    actors = []
-    for p, node_id in enumerate(node_ids):
-        placement = HostPlacement(
-            p // shape.hosts_per_slice,
-            p % shape.hosts_per_slice,
-            shape.num_slices,
-            shape.hosts_per_slice,
-            shape.chips_per_host,
-        )
-        actors.append(
-            remote_cls.options(
-                num_cpus=0,
-                runtime_env={"env_vars": simulated_host_env(placement)},
-                scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
-            ).remote(shape, p)
-        )
-    try:
-        coordinator = ray.get(actors[0].free_address.remote(), timeout=120)
-        ray.get(
-            [
-                a.initialize.remote(coordinator, p // shape.hosts_per_slice)
-                for p, a in enumerate(actors)
-            ],
-            timeout=180,
-        )
-        ray.get([a.load.remote(serialized, mesh, x, pspec) for a in actors], timeout=120)
-        ray.get([a.step.remote() for a in actors], timeout=120)  # compile outside the timing
+    def __init__(
+        self,
+        shape: GangShape,
+        node_ids: list[str],
+        serialized: bytes,
+        mesh: MeshSpec,
+        x: np.ndarray,
+        pspec: tuple,
+    ) -> None:
+        import ray
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        remote_cls = ray.remote(PlainJaxActor)
+        self.actors: list[Any] = []
+        for p, node_id in enumerate(node_ids):
+            placement = HostPlacement(
+                p // shape.hosts_per_slice,
+                p % shape.hosts_per_slice,
+                shape.num_slices,
+                shape.hosts_per_slice,
+                shape.chips_per_host,
+            )
+            self.actors.append(
+                remote_cls.options(
+                    num_cpus=0,
+                    runtime_env={"env_vars": simulated_host_env(placement)},
+                    scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
+                ).remote(shape, p)
+            )
+        try:
+            coordinator = ray.get(self.actors[0].free_address.remote(), timeout=120)
+            ray.get(
+                [
+                    a.initialize.remote(coordinator, p // shape.hosts_per_slice)
+                    for p, a in enumerate(self.actors)
+                ],
+                timeout=180,
+            )
+            ray.get([a.load.remote(serialized, mesh, x, pspec) for a in self.actors], timeout=120)
+            self.waited(1)  # compiles, outside any timing
+        except BaseException:
+            self.close()
+            raise
+
+    def waited(self, n: int) -> float:
+        """Computations per second, the driver waiting for each before the next."""
+        import ray
 
         started = time.perf_counter()
         for _ in range(n):
-            ray.get([a.step.remote() for a in actors], timeout=120)
-        waited = n / (time.perf_counter() - started)
+            ray.get([a.step.remote() for a in self.actors], timeout=120)
+        return n / (time.perf_counter() - started)
+
+    def pipelined(self, n: int) -> float:
+        """Computations per second, all `n` submitted before the driver waits."""
+        import ray
 
         started = time.perf_counter()
-        ray.get([a.step.remote() for _ in range(n) for a in actors], timeout=600)
-        pipelined = n / (time.perf_counter() - started)
-        return {"waited": waited, "pipelined": pipelined}
-    finally:
-        for a in actors:
+        ray.get([a.step.remote() for _ in range(n) for a in self.actors], timeout=600)
+        return n / (time.perf_counter() - started)
+
+    def close(self) -> None:
+        import ray
+
+        for a in self.actors:
             ray.kill(a)
+        self.actors = []
+
+
+def _drive(address: str, conn: Any) -> None:
+    """A BaselineDriver's process: joins the Ray cluster of the controller at `address`
+    and runs what it is sent, answering ("ok", result) or ("error", message)."""
+    import slicewise
+    from benchmarks.common import attached_to_ray
+
+    plain: PlainRay | None = None
+    with slicewise.connect(address) as client, attached_to_ray(client):
+        conn.send(("ok", None))
+        try:
+            while (request := conn.recv()) is not None:
+                name, args = request
+                try:
+                    if name == "multi_controller_rate":
+                        result: Any = multi_controller_rate(*args)
+                    elif name == "worker_thread_names":
+                        result = worker_thread_names(*args)
+                    elif name == "plain_ray":
+                        if plain is not None:
+                            plain.close()
+                        plain = PlainRay(*args)
+                        result = None
+                    elif name in ("plain_waited", "plain_pipelined"):
+                        if plain is None:
+                            raise RuntimeError("no plain Ray actors: call plain_ray first")
+                        result = getattr(plain, name.removeprefix("plain_"))(*args)
+                    else:
+                        raise ValueError(f"unknown request {name!r}")
+                    conn.send(("ok", result))
+                except Exception as exc:  # noqa: BLE001 - sent back and raised there
+                    conn.send(("error", f"{type(exc).__name__}: {exc}"))
+        finally:
+            if plain is not None:
+                plain.close()
+
+
+class BaselineDriver:
+    """Runs the baselines from a process of its own (see the module's docstring):
+
+    with BaselineDriver(controller.address) as driver:
+        rate = driver.multi_controller_rate(actor_names, program_id, handles, n)
+        driver.plain_ray(shape, node_ids, serialized, mesh, x, pspec)
+        driver.plain_pipelined(n)
+    """
+
+    def __init__(self, address: str, timeout_s: float = 900.0) -> None:
+        context = multiprocessing.get_context("spawn")  # jax and Ray are up in this one
+        self._conn, child = context.Pipe()
+        self._timeout_s = timeout_s
+        self.process = context.Process(target=_drive, args=(address, child), daemon=True)
+        self.process.start()
+        child.close()
+        try:
+            self._answer("joining the Ray cluster")
+        except BaseException:
+            self.close()
+            raise
+
+    @property
+    def pid(self) -> int:
+        assert self.process.pid is not None
+        return self.process.pid
+
+    def _answer(self, what: str) -> Any:
+        if not self._conn.poll(self._timeout_s):
+            raise TimeoutError(f"the baseline driver did not finish {what} in {self._timeout_s} s")
+        status, result = self._conn.recv()
+        if status != "ok":
+            raise RuntimeError(f"the baseline driver failed {what}: {result}")
+        return result
+
+    def _call(self, name: str, *args: Any) -> Any:
+        self._conn.send((name, args))
+        return self._answer(name)
+
+    def multi_controller_rate(self, *args: Any) -> float:
+        """See the module-level `multi_controller_rate`."""
+        rate: float = self._call("multi_controller_rate", *args)
+        return rate
+
+    def worker_thread_names(self, actor_names: list[str]) -> dict[int, dict[int, str]]:
+        names: dict[int, dict[int, str]] = self._call("worker_thread_names", actor_names)
+        return names
+
+    def plain_ray(self, *args: Any) -> None:
+        """Starts the plain Ray actors (see `PlainRay`), replacing any started before."""
+        self._call("plain_ray", *args)
+
+    def plain_waited(self, n: int) -> float:
+        rate: float = self._call("plain_waited", n)
+        return rate
+
+    def plain_pipelined(self, n: int) -> float:
+        rate: float = self._call("plain_pipelined", n)
+        return rate
+
+    def close(self) -> None:
+        if self.process.is_alive():
+            with contextlib.suppress(OSError):
+                self._conn.send(None)
+            self.process.join(timeout=60)
+        if self.process.is_alive():
+            self.process.kill()
+            self.process.join(timeout=10)
+        self._conn.close()
+
+    def __enter__(self) -> BaselineDriver:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -11,11 +11,15 @@ is run three ways through slicewise, in computations per second:
             user's code for a chain of dependent computations);
   Fused   - 128 computations compiled into one program;
 against (a) multi-controller JAX running the same loop on the same worker processes with
-no controller, and (b) a plain Ray driver calling ordinary actors once per computation.
+no controller, and (b) a plain Ray driver calling ordinary actors once per computation,
+both driven from a process of their own (baselines.BaselineDriver). Every rate is
+measured once per round, the rounds alternating their order, and each ratio is the
+median of the rounds' ratios: two rates of one round were measured moments apart (this
+shared VM's speed drifts by tens of percent within a minute).
 Then the paper's Figure 6 sweep: the computation made longer (0.1 ms to ~100 ms of
 per-device work) to find the shortest computation for which slicewise's OpByOp
 throughput reaches 95% of multi-controller JAX (the paper reports 2.3 ms at 16 hosts);
-at each length the ratio is the median of paired rounds, each measuring both.
+at each length the ratio is the median of such rounds, each measuring both.
 
 It also prints where each OpByOp call's CPU goes (client, controller, workers; the
 workers' by thread, against their own cost when they run the loop themselves, flat out
@@ -37,7 +41,6 @@ import numpy as np
 from benchmarks.common import (
     CpuMeter,
     ThreadCpuMeter,
-    attached_to_ray,
     sim_controller,
     write_result,
 )
@@ -104,31 +107,62 @@ def _fused(program: Any, x: Any, calls: int) -> float:
     return CHAIN * _opbyop_async(program, x, calls)
 
 
-def _best(times: int, fn: Any) -> dict[str, float]:
-    rates = [fn() for _ in range(times)]
-    return {"median": float(np.median(rates)), "min": min(rates), "max": max(rates)}
+def _interleaved(rounds: int, measures: dict[str, Any]) -> dict[str, list[float]]:
+    """Each measure's rate in every round. A round runs every measure once, back to back,
+    in the order given, and the next round in the reverse order: on this shared VM the
+    speed drifts by tens of percent within a minute, so two rates are compared within a
+    round (where they were measured moments apart) and a steady drift cancels over a
+    pair of rounds."""
+    rates: dict[str, list[float]] = {name: [] for name in measures}
+    for r in range(rounds):
+        for name in list(measures) if r % 2 == 0 else list(reversed(measures)):
+            rates[name].append(measures[name]())
+    return rates
+
+
+def _summary(values: list[float]) -> dict[str, float]:
+    return {"median": float(np.median(values)), "min": min(values), "max": max(values)}
+
+
+def _round_ratios(rates: dict[str, list[float]], ours: str, theirs: str) -> list[float]:
+    return [a / b for a, b in zip(rates[ours], rates[theirs], strict=True)]
+
+
+# Each headline ratio: (ours, the baseline it is measured against), as rates' names.
+RATIOS = {
+    "opbyop_vs_multi_controller": ("opbyop", "multi_controller"),
+    "chained_vs_multi_controller": ("chained", "multi_controller"),
+    "fused_vs_multi_controller_fused": ("fused", "multi_controller_fused"),
+    "opbyop_vs_plain_ray_pipelined": ("opbyop", "plain_ray_pipelined"),
+    "opbyop_waited_vs_plain_ray_waited": ("opbyop_waited", "plain_ray_waited"),
+}
+SHAPES = ("opbyop", "opbyop_waited", "chained", "fused")
 
 
 def run(quick: bool = False) -> dict[str, Any]:
     import slicewise
-    from benchmarks.baselines import multi_controller_rate, plain_ray_rates, worker_thread_names
+    from benchmarks.baselines import BaselineDriver
     from programs.microbench import allreduce_add, fused_allreduce_add
     from slicewise.common.mesh import GangShape
 
     n = 200 if quick else 1000
-    reps = 1 if quick else 3
+    reps = 2 if quick else 6
     lengths = [0, 30, 300] if quick else [0, 3, 10, 30, 100, 300, 1000, 3000]
     out: dict[str, Any] = {
         "config": {
             "sim": SIM,
             "chain": CHAIN,
             "calls": n,
-            "repeats": reps,
+            "rounds": reps,
             "window": WINDOW,
             "quick": quick,
         }
     }
-    with sim_controller(SIM) as controller, slicewise.connect(controller.address) as client:
+    with (
+        sim_controller(SIM) as controller,
+        slicewise.connect(controller.address) as client,
+        BaselineDriver(controller.address) as driver,
+    ):
         gang = client.allocate(slices=2, slice_type="v5litepod-4", timeout=300)
         mesh = gang.mesh(dcn={"slice": 2}, ici={"chip": 4})
         x = gang.put(np.zeros(8, np.float32), mesh.sharding(AXES))
@@ -137,113 +171,103 @@ def run(quick: bool = False) -> dict[str, Any]:
         check = step.chain(CHAIN, x)
         assert check.fetch().tolist() == [float(CHAIN)] * 8, "the benchmark computes wrongly"
         fused(x).block_until_ready()
+        workers = gang.stats().workers
+        actors = [w.actor_name for w in workers]
 
+        def multi_controller(program: Any, calls: int, pace_s: float = 0.0) -> float:
+            return driver.multi_controller_rate(
+                actors, program.id, [x.handle], calls, WINDOW, pace_s
+            )
+
+        # The driver is a client too: its CPU counts as the client's (it idles while
+        # slicewise is measured, as the client does while the baselines are).
         pids = {
-            "client": [os.getpid()],
+            "client": [os.getpid(), driver.pid],
             "controller": [controller.pid],
-            "workers": [w.pid for w in gang.stats().workers],
+            "workers": [w.pid for w in workers],
         }
         # CPU is read in clock ticks (10 ms): enough calls for a few hundred of them.
         budget = {"slicewise": CpuMeter(pids), "multi_controller": CpuMeter(pids)}
         threads = {run: ThreadCpuMeter(pids["workers"]) for run in budget}
         with budget["slicewise"], threads["slicewise"]:
             _opbyop_async(step, x, BUDGET_CALLS)
-        shapes = {
-            "opbyop": _best(reps, lambda: _opbyop_async(step, x, n)),
-            "opbyop_waited": _best(reps, lambda: _opbyop_waited(step, x, n // 4)),
-            "chained": _best(reps, lambda: _chained(step, x, max(1, n // CHAIN))),
-            "fused": _best(reps, lambda: _fused(fused, x, max(1, n // CHAIN))),
-        }
-        with attached_to_ray(client):
-            with budget["multi_controller"], threads["multi_controller"]:
-                multi_controller_rate(gang, step.id, [x.handle], BUDGET_CALLS, WINDOW)
-            # The same loop fed at OpByOp's pace: what XLA's threads spend going idle
-            # and being woken between calls, which the unpaced loop never pays.
-            budget["multi_controller_paced"] = CpuMeter(pids)
-            threads["multi_controller_paced"] = ThreadCpuMeter(pids["workers"])
-            pace_s = budget["slicewise"].wall_s / BUDGET_CALLS
-            with budget["multi_controller_paced"], threads["multi_controller_paced"]:
-                multi_controller_rate(gang, step.id, [x.handle], BUDGET_CALLS, WINDOW, pace_s)
-            thread_names = worker_thread_names(gang)
-            mc = _best(reps, lambda: multi_controller_rate(gang, step.id, [x.handle], n, WINDOW))
-            mc_fused = _best(
-                reps,
-                lambda: (
-                    CHAIN
-                    * multi_controller_rate(gang, fused.id, [x.handle], max(1, n // CHAIN), WINDOW)
-                ),
-            )
-            shape = GangShape(2, 1, 4)
-            nodes = [
-                h.node_id
-                for s in client.cluster_info().slices
-                if s.name in gang.slices
-                for h in s.hosts
-            ]
-            plain = plain_ray_rates(
-                shape,
-                nodes,
-                step.exported.serialize(),
-                mesh.spec,
-                np.zeros(8, np.float32),
-                (AXES,),
-                n // 2,
-            )
-            baselines = {
-                "multi_controller": mc,
-                "multi_controller_fused": mc_fused,
-                "plain_ray_waited": plain["waited"],
-                "plain_ray_pipelined": plain["pipelined"],
-            }
+        with budget["multi_controller"], threads["multi_controller"]:
+            multi_controller(step, BUDGET_CALLS)
+        # The same loop fed at OpByOp's pace: what XLA's threads spend going idle and
+        # being woken between calls, which the unpaced loop never pays.
+        budget["multi_controller_paced"] = CpuMeter(pids)
+        threads["multi_controller_paced"] = ThreadCpuMeter(pids["workers"])
+        pace_s = budget["slicewise"].wall_s / BUDGET_CALLS
+        with budget["multi_controller_paced"], threads["multi_controller_paced"]:
+            multi_controller(step, BUDGET_CALLS, pace_s)
+        thread_names = driver.worker_thread_names(actors)
 
-            sweep = []
-            for iters in lengths:
-                program = gang.compile(
-                    allreduce_add(mesh.abstract, AXES, work_iters=iters),
-                    x,
-                    name=f"allreduce_add_work{iters}",
-                )
-                program(x).block_until_ready()
-                mc_rate = multi_controller_rate(gang, program.id, [x.handle], 20, WINDOW)
-                calls = int(min(n, max(20, 2.0 * mc_rate)))  # about 2 s per measurement
-                # Paired rounds, each both ways back to back: on this shared VM the speed
-                # drifts by tens of percent within a minute, which a single measurement
-                # of each took for the ratio (one run's sweep went 0.93, 0.84, 1.06).
-                rounds = [
-                    (
-                        multi_controller_rate(gang, program.id, [x.handle], calls, WINDOW),
-                        _opbyop_async(program, x, calls),
-                    )
-                    for _ in range(reps)
-                ]
-                ratios = [ours / mc for mc, ours in rounds]
-                mc_rate = float(np.median([mc for mc, _ in rounds]))
-                sweep.append(
-                    {
-                        "work_iters": iters,
-                        "length_ms": 1e3 / mc_rate,
-                        "calls": calls,
-                        "rounds": len(rounds),
-                        "slicewise": float(np.median([ours for _, ours in rounds])),
-                        "multi_controller": mc_rate,
-                        "ratio": float(np.median(ratios)),
-                        "ratio_min": min(ratios),
-                        "ratio_max": max(ratios),
-                    }
-                )
+        nodes = [
+            h.node_id
+            for s in client.cluster_info().slices
+            if s.name in gang.slices
+            for h in s.hosts
+        ]
+        zeros = np.zeros(8, np.float32)
+        driver.plain_ray(
+            GangShape(2, 1, 4), nodes, step.exported.serialize(), mesh.spec, zeros, (AXES,)
+        )
+        batches = max(1, n // CHAIN)
+        rates = _interleaved(
+            reps,
+            {
+                "opbyop": lambda: _opbyop_async(step, x, n),
+                "multi_controller": lambda: multi_controller(step, n),
+                "chained": lambda: _chained(step, x, batches),
+                "fused": lambda: _fused(fused, x, batches),
+                "multi_controller_fused": lambda: CHAIN * multi_controller(fused, batches),
+                "opbyop_waited": lambda: _opbyop_waited(step, x, n // 4),
+                "plain_ray_pipelined": lambda: driver.plain_pipelined(n // 2),
+                "plain_ray_waited": lambda: driver.plain_waited(n // 4),
+            },
+        )
+
+        sweep = []
+        for iters in lengths:
+            program = gang.compile(
+                allreduce_add(mesh.abstract, AXES, work_iters=iters),
+                x,
+                name=f"allreduce_add_work{iters}",
+            )
+            program(x).block_until_ready()
+            mc_rate = multi_controller(program, 20)
+            calls = int(min(n, max(20, 1.5 * mc_rate)))  # about 1.5 s per measurement
+            paired = _interleaved(
+                reps,
+                {
+                    "multi_controller": lambda p=program, c=calls: multi_controller(p, c),
+                    "slicewise": lambda p=program, c=calls: _opbyop_async(p, x, c),
+                },
+            )
+            ratios = _round_ratios(paired, "slicewise", "multi_controller")
+            mc_rate = float(np.median(paired["multi_controller"]))
+            sweep.append(
+                {
+                    "work_iters": iters,
+                    "length_ms": 1e3 / mc_rate,
+                    "calls": calls,
+                    "rounds": reps,
+                    "slicewise": float(np.median(paired["slicewise"])),
+                    "multi_controller": mc_rate,
+                    "ratio": float(np.median(ratios)),
+                    "ratio_min": min(ratios),
+                    "ratio_max": max(ratios),
+                }
+            )
         gang.release()
 
-    mc_rate = baselines["multi_controller"]["median"]
-    out["shapes"] = shapes
-    out["baselines"] = baselines
-    out["ratios"] = {
-        "opbyop_vs_multi_controller": shapes["opbyop"]["median"] / mc_rate,
-        "chained_vs_multi_controller": shapes["chained"]["median"] / mc_rate,
-        "fused_vs_multi_controller_fused": shapes["fused"]["median"]
-        / baselines["multi_controller_fused"]["median"],
-        "opbyop_vs_plain_ray_pipelined": shapes["opbyop"]["median"] / plain["pipelined"],
-        "opbyop_waited_vs_plain_ray_waited": shapes["opbyop_waited"]["median"] / plain["waited"],
-    }
+    round_ratios = {name: _round_ratios(rates, *pair) for name, pair in RATIOS.items()}
+    out["shapes"] = {name: _summary(rates[name]) for name in SHAPES}
+    out["baselines"] = {name: _summary(rates[name]) for name in rates if name not in SHAPES}
+    # Each ratio is the median of the rounds' ratios, each round's two rates measured
+    # moments apart (see _interleaved); the rounds' own are in round_ratios.
+    out["ratios"] = {name: float(np.median(values)) for name, values in round_ratios.items()}
+    out["round_ratios"] = round_ratios
     out["sweep"] = sweep
     out["controller_scaling"] = controller_scaling(quick)
     # CPU per computation, in microseconds, by where it is spent: slicewise's OpByOp
@@ -267,7 +291,7 @@ def run(quick: bool = False) -> dict[str, Any]:
         {run: meter.wall_s for run, meter in budget.items()},
         BUDGET_CALLS,
         os.cpu_count() or 1,
-        plain["pipelined"] / mc_rate,
+        float(np.median(_round_ratios(rates, "plain_ray_pipelined", "multi_controller"))),
     )
     reached = [p["length_ms"] for p in sweep if p["ratio"] >= 0.95]
     out["break_even_ms"] = min(reached) if reached else None
@@ -399,8 +423,8 @@ def plot(result: dict[str, Any], path: Path) -> None:
         s["fused"]["median"],
         b["multi_controller"]["median"],
         b["multi_controller_fused"]["median"],
-        b["plain_ray_waited"],
-        b["plain_ray_pipelined"],
+        b["plain_ray_waited"]["median"],
+        b["plain_ray_pipelined"]["median"],
     ]
     colors = ["tab:blue"] * 4 + ["tab:gray"] * 4
     left.bar(labels, values, color=colors)
@@ -432,13 +456,18 @@ def plot(result: dict[str, Any], path: Path) -> None:
 
 def report(result: dict[str, Any]) -> str:
     s, b, r = result["shapes"], result["baselines"], result["ratios"]
+    rounds = result["round_ratios"]
     lines = [
         f"OpByOp {s['opbyop']['median']:.0f}/s (waited {s['opbyop_waited']['median']:.0f}/s), "
         f"Chained {s['chained']['median']:.0f}/s, Fused {s['fused']['median']:.0f}/s",
         f"multi-controller JAX {b['multi_controller']['median']:.0f}/s "
         f"(fused {b['multi_controller_fused']['median']:.0f}/s); plain Ray "
-        f"{b['plain_ray_waited']:.0f}/s waited, {b['plain_ray_pipelined']:.0f}/s pipelined",
-        "ratios: " + ", ".join(f"{k} {v:.2f}" for k, v in r.items()),
+        f"{b['plain_ray_waited']['median']:.0f}/s waited, "
+        f"{b['plain_ray_pipelined']['median']:.0f}/s pipelined",
+        "ratios (median of the rounds', min-max): "
+        + ", ".join(
+            f"{k} {v:.2f} ({min(rounds[k]):.2f}-{max(rounds[k]):.2f})" for k, v in r.items()
+        ),
         "sweep (median of paired rounds, min-max): "
         + ", ".join(
             f"{p['length_ms']:.2f} ms -> {p['ratio']:.2f}"
