@@ -360,7 +360,8 @@ def thread_cpu_seconds(pid: int) -> dict[int, float]:
 
 class ThreadCpuMeter:
     """CPU seconds used by each thread of some processes while a block runs, by (pid,
-    tid); `grouped` sums them by what a thread's name says it does."""
+    tid) (summed over the blocks, when used for several); `grouped` sums them by what a
+    thread's name says it does."""
 
     def __init__(self, pids: Sequence[int]) -> None:
         self.pids = list(pids)
@@ -380,7 +381,8 @@ class ThreadCpuMeter:
 
     def __exit__(self, *exc: object) -> None:
         after = self._read()
-        self.used = {key: after[key] - self._before.get(key, 0.0) for key in after}
+        for key in after:
+            self.used[key] = self.used.get(key, 0.0) + after[key] - self._before.get(key, 0.0)
 
     def grouped(
         self, names: dict[int, dict[int, str]], group: Callable[[str | None], str]
@@ -400,6 +402,9 @@ class CpuMeter:
     with meter:
         run()
     meter.used  # {"client": 0.8, ...}; workers summed over their processes
+
+    A meter used for several blocks sums them (`wall_s` too): runs measured in turns
+    with others, so that each sees the machine's drifting speed alike.
     """
 
     def __init__(self, groups: dict[str, Sequence[int]]) -> None:
@@ -418,6 +423,7 @@ class CpuMeter:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self.wall_s = time.perf_counter() - self._started
+        self.wall_s += time.perf_counter() - self._started
         after = self._read()
-        self.used = {name: after[name] - self._before[name] for name in after}
+        for name in after:
+            self.used[name] = self.used.get(name, 0.0) + after[name] - self._before[name]

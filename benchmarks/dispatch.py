@@ -31,6 +31,7 @@ to a 12,800-host gang.
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import time
 from pathlib import Path
@@ -50,6 +51,9 @@ AXES = ("slice", "chip")
 CHAIN = 128
 WINDOW = 3
 BUDGET_CALLS = 2000  # calls over which CPU per call is measured
+BUDGET_ROUNDS = 4  # in turns of BUDGET_CALLS / BUDGET_ROUNDS
+# OpByOp, the workers' own loop, and the same loop at OpByOp's pace: "slicewise" first.
+BUDGET_RUNS = ("slicewise", "multi_controller", "multi_controller_paced")
 
 # A worker's threads, by what they do (worker/actor.py names them); threads Python does
 # not know are native: XLA's (the devices' and its dispatch) and gloo's.
@@ -186,20 +190,29 @@ def run(quick: bool = False) -> dict[str, Any]:
             "controller": [controller.pid],
             "workers": [w.pid for w in workers],
         }
-        # CPU is read in clock ticks (10 ms): enough calls for a few hundred of them.
-        budget = {"slicewise": CpuMeter(pids), "multi_controller": CpuMeter(pids)}
-        threads = {run: ThreadCpuMeter(pids["workers"]) for run in budget}
-        with budget["slicewise"], threads["slicewise"]:
-            _opbyop_async(step, x, BUDGET_CALLS)
-        with budget["multi_controller"], threads["multi_controller"]:
-            multi_controller(step, BUDGET_CALLS)
-        # The same loop fed at OpByOp's pace: what XLA's threads spend going idle and
-        # being woken between calls, which the unpaced loop never pays.
-        budget["multi_controller_paced"] = CpuMeter(pids)
-        threads["multi_controller_paced"] = ThreadCpuMeter(pids["workers"])
-        pace_s = budget["slicewise"].wall_s / BUDGET_CALLS
-        with budget["multi_controller_paced"], threads["multi_controller_paced"]:
-            multi_controller(step, BUDGET_CALLS, pace_s)
+        # CPU is read in clock ticks (10 ms): enough calls for a few hundred of them,
+        # in rounds that take turns (see _interleaved), each meter summing its rounds.
+        budget = {run: CpuMeter(pids) for run in BUDGET_RUNS}
+        threads = {run: ThreadCpuMeter(pids["workers"]) for run in BUDGET_RUNS}
+        chunk = BUDGET_CALLS // BUDGET_ROUNDS
+        done = dict.fromkeys(BUDGET_RUNS, 0)
+
+        def budget_run(run: str) -> float:
+            with budget[run], threads[run]:
+                if run == "slicewise":
+                    _opbyop_async(step, x, chunk)
+                elif run == "multi_controller":
+                    multi_controller(step, chunk)
+                else:
+                    # The same loop fed at OpByOp's pace: what XLA's threads spend going
+                    # idle and being woken between calls, which the unpaced loop never pays.
+                    multi_controller(step, chunk, budget["slicewise"].wall_s / done["slicewise"])
+            done[run] += chunk
+            return 0.0
+
+        _interleaved(
+            BUDGET_ROUNDS, {run: functools.partial(budget_run, run) for run in BUDGET_RUNS}
+        )
         thread_names = driver.worker_thread_names(actors)
 
         nodes = [
@@ -212,7 +225,7 @@ def run(quick: bool = False) -> dict[str, Any]:
         driver.plain_ray(
             GangShape(2, 1, 4), nodes, step.exported.serialize(), mesh.spec, zeros, (AXES,)
         )
-        batches = max(1, n // CHAIN)
+        batches = max(1, 2 * n // CHAIN)  # about as long as n OpByOp calls
         rates = _interleaved(
             reps,
             {
@@ -273,13 +286,13 @@ def run(quick: bool = False) -> dict[str, Any]:
     # CPU per computation, in microseconds, by where it is spent: slicewise's OpByOp
     # against the same loop run by the workers themselves (whose CPU is the floor).
     out["cpu_per_call_us"] = {
-        run: {group: 1e6 * used / BUDGET_CALLS for group, used in meter.used.items()}
+        run: {group: 1e6 * used / done[run] for group, used in meter.used.items()}
         for run, meter in budget.items()
     }
     # The workers' CPU per call by thread (all hosts): where theirs goes beyond the loop's.
     out["worker_cpu_per_call_us_by_thread"] = {
         run: {
-            group: 1e6 * used / BUDGET_CALLS
+            group: 1e6 * used / done[run]
             for group, used in sorted(
                 meter.grouped(thread_names, thread_group).items(), key=lambda kv: -kv[1]
             )

@@ -5,8 +5,8 @@ from __future__ import annotations
 import os
 import threading
 
-from benchmarks.common import ThreadCpuMeter, thread_cpu_seconds
-from benchmarks.dispatch import NATIVE, cpu_bound, thread_group
+from benchmarks.common import CpuMeter, ThreadCpuMeter, cpu_seconds, thread_cpu_seconds
+from benchmarks.dispatch import NATIVE, _interleaved, cpu_bound, thread_group
 
 SPIN_S = 0.05  # CPU seconds the spinning thread uses: five clock ticks
 
@@ -52,3 +52,43 @@ def test_the_cpu_bound_ceiling_counts_the_workers_at_their_own_loops_cost():
     assert bound["opbyop_vs_multi_controller_from_cpu"] == 2400 / 4000
     assert bound["opbyop_ceiling_with_workers_at_their_loop"] == 2400 / 3000
     assert bound["opbyop_needed_for_2x_plain_ray"] == 0.8
+
+
+def _spin(seconds: float) -> None:
+    """Uses `seconds` of CPU on this thread, as both the process's and the thread's
+    figures count it (they are rounded apart)."""
+    pid, me = os.getpid(), threading.get_native_id()
+
+    def used() -> tuple[float, float]:
+        return cpu_seconds(pid), thread_cpu_seconds(pid)[me]
+
+    start = used()
+    while min(b - a for a, b in zip(start, used(), strict=True)) < seconds:
+        sum(range(1000))
+
+
+def test_a_meter_used_for_several_blocks_sums_them():
+    meter = CpuMeter({"me": [os.getpid()]})
+    threads = ThreadCpuMeter([os.getpid()])
+    for _ in range(2):
+        with meter, threads:
+            _spin(SPIN_S)
+    # Each block used SPIN_S and well under 2 * SPIN_S (the spin ends a clock tick or
+    # two after reaching it): only both together reach 2 * SPIN_S.
+    assert meter.used["me"] >= 2 * SPIN_S
+    assert sum(threads.used.values()) >= 2 * SPIN_S
+
+
+def test_rounds_alternate_their_order_and_keep_each_measures_rates():
+    calls: list[str] = []
+
+    def measure(name: str, rate: float):
+        def run() -> float:
+            calls.append(name)
+            return rate + len(calls)
+
+        return run
+
+    rates = _interleaved(3, {"a": measure("a", 100), "b": measure("b", 200)})
+    assert calls == ["a", "b", "b", "a", "a", "b"]
+    assert rates == {"a": [101, 104, 105], "b": [202, 203, 206]}
