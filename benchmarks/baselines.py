@@ -14,8 +14,13 @@ processes alike.
 from __future__ import annotations
 
 import contextlib
-import multiprocessing
+import os
+import secrets
+import subprocess
+import sys
+import threading
 import time
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -168,7 +173,8 @@ class PlainRay:
 
 def _drive(address: str, conn: Any) -> None:
     """A BaselineDriver's process: joins the Ray cluster of the controller at `address`
-    and runs what it is sent, answering ("ok", result) or ("error", message)."""
+    and runs what it is sent, answering ("ok", result) or ("error", message), until it
+    is sent None."""
     import slicewise
     from benchmarks.common import attached_to_ray
 
@@ -209,15 +215,49 @@ class BaselineDriver:
         rate = driver.multi_controller_rate(actor_names, program_id, handles, n)
         driver.plain_ray(shape, node_ids, serialized, mesh, x, pspec)
         driver.plain_pipelined(n)
+
+    The process is `python -m benchmarks.baselines`, which connects back over loopback
+    with a one-time key (no fork of this process, where jax and Ray run, and no import
+    of the caller's main module, which multiprocessing's spawn would make).
     """
 
     def __init__(self, address: str, timeout_s: float = 900.0) -> None:
-        context = multiprocessing.get_context("spawn")  # jax and Ray are up in this one
-        self._conn, child = context.Pipe()
+        from multiprocessing.connection import Listener
+
         self._timeout_s = timeout_s
-        self.process = context.Process(target=_drive, args=(address, child), daemon=True)
-        self.process.start()
-        child.close()
+        key = secrets.token_bytes(32)
+        root = str(Path(__file__).resolve().parents[1])
+        with Listener(("127.0.0.1", 0), authkey=key) as listener:
+            host, port = listener.address
+            self.process = subprocess.Popen(
+                [sys.executable, "-m", "benchmarks.baselines", address, f"{host}:{port}"],
+                stdin=subprocess.PIPE,
+                cwd=root,
+                env=os.environ
+                | {
+                    "PYTHONPATH": os.pathsep.join(
+                        filter(None, [root, os.environ.get("PYTHONPATH")])
+                    )
+                },
+            )
+            assert self.process.stdin is not None
+            self.process.stdin.write(key.hex().encode() + b"\n")
+            self.process.stdin.flush()
+            accepted: list[Any] = []
+            waiter = threading.Thread(
+                target=lambda: accepted.append(listener.accept()), daemon=True
+            )
+            waiter.start()
+            deadline = time.monotonic() + 120
+            while waiter.is_alive() and self.process.poll() is None and time.monotonic() < deadline:
+                waiter.join(0.5)
+            if not accepted:
+                self.close()
+                raise RuntimeError(
+                    "the baseline driver did not connect back "
+                    f"(exit code {self.process.poll()}); its errors are above"
+                )
+        self._conn = accepted[0]
         try:
             self._answer("joining the Ray cluster")
         except BaseException:
@@ -226,7 +266,6 @@ class BaselineDriver:
 
     @property
     def pid(self) -> int:
-        assert self.process.pid is not None
         return self.process.pid
 
     def _answer(self, what: str) -> Any:
@@ -263,17 +302,36 @@ class BaselineDriver:
         return rate
 
     def close(self) -> None:
-        if self.process.is_alive():
+        conn = getattr(self, "_conn", None)
+        if conn is not None and self.process.poll() is None:
             with contextlib.suppress(OSError):
-                self._conn.send(None)
-            self.process.join(timeout=60)
-        if self.process.is_alive():
+                conn.send(None)
+        try:
+            self.process.wait(timeout=60)
+        except subprocess.TimeoutExpired:
             self.process.kill()
-            self.process.join(timeout=10)
-        self._conn.close()
+            self.process.wait(timeout=10)
+        if conn is not None:
+            conn.close()
 
     def __enter__(self) -> BaselineDriver:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def main() -> None:
+    """`python -m benchmarks.baselines CONTROLLER DRIVER`: a BaselineDriver's process; its
+    key comes on stdin."""
+    from multiprocessing.connection import Client
+
+    address, driver = sys.argv[1], sys.argv[2]
+    key = bytes.fromhex(sys.stdin.readline().strip())
+    host, _, port = driver.rpartition(":")
+    with Client((host, int(port)), authkey=key) as conn:
+        _drive(address, conn)
+
+
+if __name__ == "__main__":
+    main()
