@@ -53,3 +53,19 @@ def test_a_run_that_fails_is_named(runtime):
     with pytest.raises(RuntimeError, match="run 2 of 3 failed"):
         runtime.apply(ExecOp(2, "p", ("x",), ("y",), repeat=3))
     assert len(runtime.buffers) == 1  # x only
+
+
+def test_an_input_is_moved_only_when_its_layout_is_not_the_programs(runtime):
+    runtime.apply(LoadOp(1, "p", exported(lambda a: a + 1), MESH, "plus_one"))
+    program = runtime._programs["p"]
+    x = runtime.buffers.get("x")  # split over every device, as the program takes it
+    assert JaxRuntime._conform(program, [x])[0] is x
+    replicated = jax.device_put(x, NamedSharding(x.sharding.mesh, PartitionSpec()))
+    (moved,) = JaxRuntime._conform(program, [replicated])
+    assert moved is not replicated
+    assert moved.sharding.is_equivalent_to(program.in_shardings[0], 1)
+    np.testing.assert_array_equal(np.asarray(moved), np.arange(8, dtype=np.float32))
+    # Run through an ExecOp, the replicated input gives the program's answer.
+    runtime.buffers.put("r", replicated)
+    runtime.apply(ExecOp(2, "p", ("r",), ("y",))).wait()
+    np.testing.assert_array_equal(np.asarray(runtime.buffers.get("y")), np.arange(8) + 1.0)
