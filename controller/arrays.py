@@ -165,7 +165,11 @@ class ArrayTable:
         return None
 
     def delete(self, handle: str) -> ArrayRecord:
-        record = self.get(handle)
+        return self.remove(self.get(handle))
+
+    def remove(self, record: ArrayRecord) -> ArrayRecord:
+        """Deletes a record the caller has already looked up (`get`)."""
+        handle = record.handle
         del self._records[handle]
         self._deleted.setdefault(record.gang_id, {})[handle] = None
         self._num_deleted += 1

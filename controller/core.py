@@ -1088,8 +1088,8 @@ class Controller:
         handles = list(dict.fromkeys(handles))
         records = {h: self.arrays.get(h) for h in handles}  # all or none: check first
         by_gang: dict[str, list[str]] = {}
-        for h in handles:
-            by_gang.setdefault(self.arrays.delete(h).gang_id, []).append(h)
+        for h, record in records.items():
+            by_gang.setdefault(self.arrays.remove(record).gang_id, []).append(h)
         for gang_id, group in by_gang.items():
             gang = self.gangs.get(gang_id)
             if gang is not None and gang.state.usable:
