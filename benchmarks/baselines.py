@@ -271,7 +271,13 @@ class BaselineDriver:
     def _answer(self, what: str) -> Any:
         if not self._conn.poll(self._timeout_s):
             raise TimeoutError(f"the baseline driver did not finish {what} in {self._timeout_s} s")
-        status, result = self._conn.recv()
+        try:
+            status, result = self._conn.recv()
+        except (EOFError, OSError):
+            raise RuntimeError(
+                f"the baseline driver exited (code {self.process.wait(timeout=30)}) during "
+                f"{what}; its errors are above"
+            ) from None
         if status != "ok":
             raise RuntimeError(f"the baseline driver failed {what}: {result}")
         return result
