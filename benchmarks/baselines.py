@@ -15,10 +15,8 @@ from __future__ import annotations
 
 import contextlib
 import os
-import secrets
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -171,18 +169,18 @@ class PlainRay:
         self.actors = []
 
 
-def _drive(address: str, conn: Any) -> None:
+def _drive(address: str, requests: Any, answers: Any) -> None:
     """A BaselineDriver's process: joins the Ray cluster of the controller at `address`
-    and runs what it is sent, answering ("ok", result) or ("error", message), until it
-    is sent None."""
+    and runs the requests it is sent, answering each ("ok", result) or ("error",
+    message), until it is sent None."""
     import slicewise
     from benchmarks.common import attached_to_ray
 
     plain: PlainRay | None = None
     with slicewise.connect(address) as client, attached_to_ray(client):
-        conn.send(("ok", None))
+        answers.send(("ok", None))
         try:
-            while (request := conn.recv()) is not None:
+            while (request := requests.recv()) is not None:
                 name, args = request
                 try:
                     if name == "multi_controller_rate":
@@ -200,9 +198,9 @@ def _drive(address: str, conn: Any) -> None:
                         result = getattr(plain, name.removeprefix("plain_"))(*args)
                     else:
                         raise ValueError(f"unknown request {name!r}")
-                    conn.send(("ok", result))
+                    answers.send(("ok", result))
                 except Exception as exc:  # noqa: BLE001 - sent back and raised there
-                    conn.send(("error", f"{type(exc).__name__}: {exc}"))
+                    answers.send(("error", f"{type(exc).__name__}: {exc}"))
         finally:
             if plain is not None:
                 plain.close()
@@ -216,48 +214,30 @@ class BaselineDriver:
         driver.plain_ray(shape, node_ids, serialized, mesh, x, pspec)
         driver.plain_pipelined(n)
 
-    The process is `python -m benchmarks.baselines`, which connects back over loopback
-    with a one-time key (no fork of this process, where jax and Ray run, and no import
-    of the caller's main module, which multiprocessing's spawn would make).
+    The process is `python -m benchmarks.baselines`, talking over its stdin and stdout
+    (no fork of this process, where jax and Ray run, and no import of the caller's main
+    module, which multiprocessing's spawn would make).
     """
 
     def __init__(self, address: str, timeout_s: float = 900.0) -> None:
-        from multiprocessing.connection import Listener
+        from multiprocessing.connection import Connection
 
         self._timeout_s = timeout_s
-        key = secrets.token_bytes(32)
         root = str(Path(__file__).resolve().parents[1])
-        with Listener(("127.0.0.1", 0), authkey=key) as listener:
-            host, port = listener.address
-            self.process = subprocess.Popen(
-                [sys.executable, "-m", "benchmarks.baselines", address, f"{host}:{port}"],
-                stdin=subprocess.PIPE,
-                cwd=root,
-                env=os.environ
-                | {
-                    "PYTHONPATH": os.pathsep.join(
-                        filter(None, [root, os.environ.get("PYTHONPATH")])
-                    )
-                },
-            )
-            assert self.process.stdin is not None
-            self.process.stdin.write(key.hex().encode() + b"\n")
-            self.process.stdin.flush()
-            accepted: list[Any] = []
-            waiter = threading.Thread(
-                target=lambda: accepted.append(listener.accept()), daemon=True
-            )
-            waiter.start()
-            deadline = time.monotonic() + 120
-            while waiter.is_alive() and self.process.poll() is None and time.monotonic() < deadline:
-                waiter.join(0.5)
-            if not accepted:
-                self.close()
-                raise RuntimeError(
-                    "the baseline driver did not connect back "
-                    f"(exit code {self.process.poll()}); its errors are above"
-                )
-        self._conn = accepted[0]
+        path = os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "benchmarks.baselines", address],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            cwd=root,
+            env=os.environ | {"PYTHONPATH": path},
+        )
+        assert self.process.stdin is not None and self.process.stdout is not None
+        # Connections of their own on the pipes (they close what they hold).
+        self._requests = Connection(os.dup(self.process.stdin.fileno()), readable=False)
+        self._answers = Connection(os.dup(self.process.stdout.fileno()), writable=False)
+        self.process.stdin.close()
+        self.process.stdout.close()
         try:
             self._answer("joining the Ray cluster")
         except BaseException:
@@ -269,10 +249,10 @@ class BaselineDriver:
         return self.process.pid
 
     def _answer(self, what: str) -> Any:
-        if not self._conn.poll(self._timeout_s):
+        if not self._answers.poll(self._timeout_s):
             raise TimeoutError(f"the baseline driver did not finish {what} in {self._timeout_s} s")
         try:
-            status, result = self._conn.recv()
+            status, result = self._answers.recv()
         except (EOFError, OSError):
             raise RuntimeError(
                 f"the baseline driver exited (code {self.process.wait(timeout=30)}) during "
@@ -283,7 +263,7 @@ class BaselineDriver:
         return result
 
     def _call(self, name: str, *args: Any) -> Any:
-        self._conn.send((name, args))
+        self._requests.send((name, args))
         return self._answer(name)
 
     def multi_controller_rate(self, *args: Any) -> float:
@@ -308,17 +288,16 @@ class BaselineDriver:
         return rate
 
     def close(self) -> None:
-        conn = getattr(self, "_conn", None)
-        if conn is not None and self.process.poll() is None:
+        if self.process.poll() is None:
             with contextlib.suppress(OSError):
-                conn.send(None)
+                self._requests.send(None)
         try:
             self.process.wait(timeout=60)
         except subprocess.TimeoutExpired:
             self.process.kill()
             self.process.wait(timeout=10)
-        if conn is not None:
-            conn.close()
+        self._requests.close()
+        self._answers.close()
 
     def __enter__(self) -> BaselineDriver:
         return self
@@ -328,15 +307,13 @@ class BaselineDriver:
 
 
 def main() -> None:
-    """`python -m benchmarks.baselines CONTROLLER DRIVER`: a BaselineDriver's process; its
-    key comes on stdin."""
-    from multiprocessing.connection import Client
+    """`python -m benchmarks.baselines CONTROLLER`: a BaselineDriver's process, taking
+    requests on stdin and answering on stdout."""
+    from multiprocessing.connection import Connection
 
-    address, driver = sys.argv[1], sys.argv[2]
-    key = bytes.fromhex(sys.stdin.readline().strip())
-    host, _, port = driver.rpartition(":")
-    with Client((host, int(port)), authkey=key) as conn:
-        _drive(address, conn)
+    answers = Connection(os.dup(1), readable=False)
+    os.dup2(2, 1)  # what jax, Ray or a print write goes to stderr, not into the answers
+    _drive(sys.argv[1], Connection(os.dup(0), writable=False), answers)
 
 
 if __name__ == "__main__":
