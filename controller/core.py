@@ -34,6 +34,7 @@ from controller.options import DEFAULT_OPTIONS, ControllerOptions
 from controller.programs import Program, ProgramRegistry, load_program, program_id_of
 from controller.scheduler import Scheduler
 from controller.timelines import TimelineArchive
+from slicewise.common import heap
 from slicewise.common.arrays import ArraySpec, dtype_of
 from slicewise.common.errors import (
     CapacityError,
@@ -318,6 +319,8 @@ class Controller:
             program = self.programs.get(program_id)
         except NotFoundError:
             program = await asyncio.to_thread(load_program, serialized, name, mesh)
+            # Reading a program loaded jax for good (slicewise/common/heap.py).
+            heap.settle("the first program")
         program.check_fits(gang.shape, gang.platform, gang_id)
         self.programs.add(program)
         self._ensure_loaded(gang, client, program)

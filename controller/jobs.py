@@ -41,7 +41,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import gc
 import json
 import logging
 import time
@@ -75,6 +74,7 @@ from controller.job import (
 from controller.journal import ExpertLoad, Journal, StepRecord
 from controller.logs import set_log_context
 from controller.placement import plan, routing_by_slice
+from slicewise.common import heap
 from slicewise.common.arrays import ArraySpec
 from slicewise.common.checkpoints import committed_steps, is_committed
 from slicewise.common.errors import (
@@ -162,7 +162,6 @@ class JobRunner:
         self._stopping = False
         # Exported training programs by (program, overrides, mesh, platform), newest last.
         self._exports: OrderedDict[tuple[Any, ...], ExportedTraining] = OrderedDict()
-        self._gc_frozen = False  # see _exported
         # Jobs an earlier run of this controller left unfinished; `resume` restarts them.
         self._unfinished: list[Job] = []
         for record in journal.jobs():  # jobs of an earlier run of this controller
@@ -541,14 +540,8 @@ class JobRunner:
         self._exports[key] = exported
         while len(self._exports) > EXPORTS_KEPT:
             self._exports.popitem(last=False)
-        if not self._gc_frozen:
-            # jax is loaded now (its first export imported it): what the controller holds
-            # from here on is mostly modules that live as long as it does. Frozen, they
-            # are no longer walked by every full collection, which took ~140 ms each
-            # (200,000 objects on 2 busy cores) and stalled dispatch while it ran.
-            self._gc_frozen = True
-            gc.collect()
-            gc.freeze()
+        # Tracing and lowering loaded much of jax for good (slicewise/common/heap.py).
+        heap.settle("the first export")
         log.info(
             "job %s: %s exported for mesh %s in %.1f s",
             job.job_id,

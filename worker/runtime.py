@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from slicewise.common import heap
 from slicewise.common.arrays import dtype_of
 from slicewise.common.mesh import (
     GangShape,
@@ -143,6 +144,8 @@ class JaxRuntime:
                 f"this host has {len(local)} local devices, expected {self.gang.chips_per_host}"
             )
         self._devices = devices
+        # jax and its distributed runtime are loaded for good (slicewise/common/heap.py).
+        heap.settle("the gang formed")
         return {
             "process_index": jax.process_index(),
             "platform": devices[0].platform,
@@ -501,6 +504,8 @@ class JaxRuntime:
                             program.call, tree_args, tree_kwargs, program.mesh, path
                         )
                     outputs = self._call(program, args)
+                    # Compiling loaded XLA's compiler for good (slicewise/common/heap.py).
+                    heap.settle("the first program compiled")
             finally:
                 program.called = True
         if op.repeat > 1:

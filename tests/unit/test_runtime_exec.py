@@ -4,12 +4,15 @@ previous run's outputs, keeps only the last run's outputs and reports their valu
 
 from __future__ import annotations
 
+import gc
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec
 
+from slicewise.common import heap
 from slicewise.common.mesh import GangShape, MeshSpec, ShardingSpec
 from slicewise.common.ops import ExecOp, LoadOp
 from worker.runtime import JaxRuntime
@@ -32,7 +35,8 @@ def runtime():
     # What initialize() finds in a one-process "gang": every device is local.
     rt._devices = sorted(jax.devices(), key=lambda d: d.id)
     rt.buffers.put("x", jax.device_put(np.arange(8, dtype=np.float32), rt.named_sharding(SPLIT)))
-    return rt
+    yield rt
+    gc.unfreeze()  # a first call froze this test process's heap (slicewise/common/heap.py)
 
 
 def test_a_call_of_n_runs_gives_the_nth_run_and_keeps_nothing_else(runtime):
@@ -45,6 +49,8 @@ def test_a_call_of_n_runs_gives_the_nth_run_and_keeps_nothing_else(runtime):
     np.testing.assert_array_equal(np.asarray(runtime.buffers.get("y")), want)
     np.testing.assert_array_equal(value, want[:1])  # process 0's first shard
     assert len(runtime.buffers) == 2  # x and y: no run before the last is kept
+    # The process's first compiled program settled its heap, whichever test ran first.
+    assert "the first program compiled" in heap._settled
 
 
 def test_a_run_that_fails_is_named(runtime):
