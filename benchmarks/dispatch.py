@@ -124,6 +124,12 @@ def _interleaved(rounds: int, measures: dict[str, Any]) -> dict[str, list[float]
     return rates
 
 
+def _metered(meter: CpuMeter, measure: Any, *args: Any) -> float:
+    """`measure(*args)`, a rate, with `meter` counting the CPU it takes."""
+    with meter:
+        return float(measure(*args))
+
+
 def _summary(values: list[float]) -> dict[str, float]:
     return {"median": float(np.median(values)), "min": min(values), "max": max(values)}
 
@@ -250,11 +256,17 @@ def run(quick: bool = False) -> dict[str, Any]:
             program(x).block_until_ready()
             mc_rate = multi_controller(program, 20)
             calls = int(min(n, max(20, 1.5 * mc_rate)))  # about 1.5 s per measurement
+            # Both sides' CPU, summed over their rounds: what each call costs at this length.
+            meters = {side: CpuMeter(pids) for side in SWEEP_SIDES}
             paired = _interleaved(
                 reps,
                 {
-                    "multi_controller": lambda p=program, c=calls: multi_controller(p, c),
-                    "slicewise": lambda p=program, c=calls: _opbyop_async(p, x, c),
+                    "multi_controller": functools.partial(
+                        _metered, meters["multi_controller"], multi_controller, program, calls
+                    ),
+                    "slicewise": functools.partial(
+                        _metered, meters["slicewise"], _opbyop_async, program, x, calls
+                    ),
                 },
             )
             ratios = _round_ratios(paired, "slicewise", "multi_controller")
@@ -270,6 +282,12 @@ def run(quick: bool = False) -> dict[str, Any]:
                     "ratio": float(np.median(ratios)),
                     "ratio_min": min(ratios),
                     "ratio_max": max(ratios),
+                    **length_cpu(
+                        {side: m.used for side, m in meters.items()},
+                        {side: m.wall_s for side, m in meters.items()},
+                        calls * reps,
+                        os.cpu_count() or 1,
+                    ),
                 }
             )
         gang.release()
@@ -308,6 +326,7 @@ def run(quick: bool = False) -> dict[str, Any]:
     )
     reached = [p["length_ms"] for p in sweep if p["ratio"] >= 0.95]
     out["break_even_ms"] = min(reached) if reached else None
+    out["break_even_from_cpu"] = break_even_from_cpu(sweep, PAPER_BREAK_EVEN_MS)
     return out
 
 
@@ -341,6 +360,70 @@ def cpu_bound(
         "opbyop_vs_multi_controller_from_cpu": mc_total / sum(ours.values()),
         "opbyop_ceiling_with_workers_at_their_loop": mc_total / least,
         "opbyop_needed_for_2x_plain_ray": 2 * plain_vs_multi_controller,
+    }
+
+
+SWEEP_SIDES = ("multi_controller", "slicewise")
+BREAK_EVEN = 0.95  # the share of multi-controller's throughput that counts as reaching it
+PAPER_BREAK_EVEN_MS = 2.3  # Barham et al., 2022, Fig. 6: 16 hosts
+
+
+def length_cpu(
+    used_s: dict[str, dict[str, float]], wall_s: dict[str, float], calls: int, cores: int
+) -> dict[str, Any]:
+    """One length of the sweep, by CPU: each side's CPU per call by process group, how
+    many cores each kept busy, and the ratio the CPU alone allows.
+
+    On the simulation the devices are the machine's own cores: a computation's work is
+    CPU time, on the cores the client and controller use too. Once multi-controller
+    keeps every core busy (`cores_busy` near `cores`), each microsecond slicewise spends
+    beyond the workers' own loop is taken from the computations, and its ratio to
+    multi-controller is at most the ratio of their CPU per call. `extra_us` is that
+    surplus per call; `extra_allowed_us` the most that still reaches BREAK_EVEN.
+
+    Args:
+        used_s: CPU seconds by group ("client", "controller", "workers") for each side
+            ("multi_controller", "slicewise") over all its rounds.
+        wall_s: how long each side's rounds took in all.
+        calls: computations each side ran over its rounds.
+    """
+    per_call = {
+        side: {group: 1e6 * s / calls for group, s in used.items()} for side, used in used_s.items()
+    }
+    total = {side: sum(groups.values()) for side, groups in per_call.items()}
+    mc, ours = total["multi_controller"], total["slicewise"]
+    return {
+        "cpu_per_call_us": per_call,
+        "cores_busy": {side: sum(used_s[side].values()) / wall_s[side] for side in used_s},
+        "ratio_from_cpu": mc / ours,
+        "extra_us": ours - mc,
+        "extra_allowed_us": mc * (1 / BREAK_EVEN - 1),
+    }
+
+
+def break_even_from_cpu(sweep: list[dict[str, Any]], target_ms: float) -> dict[str, Any] | None:
+    """Where the sweep's CPU puts the break-even: the shortest length whose CPU-allowed
+    ratio reaches BREAK_EVEN, and at `target_ms` (interpolated on a log scale between the
+    lengths around it) the most a call may cost beyond the workers' own loop to reach it
+    there, against what it cost at the nearest length measured. None without CPU figures."""
+    points = sorted((p for p in sweep if "extra_us" in p), key=lambda p: p["length_ms"])
+    if not points:
+        return None
+    lengths = np.log([p["length_ms"] for p in points])
+    allowed = float(np.interp(np.log(target_ms), lengths, [p["extra_allowed_us"] for p in points]))
+    nearest = min(points, key=lambda p: abs(np.log(p["length_ms"] / target_ms)))
+    reached = [p["length_ms"] for p in points if p["ratio_from_cpu"] >= BREAK_EVEN]
+    return {
+        "break_even_ms": min(reached) if reached else None,
+        "target_ms": target_ms,
+        "extra_allowed_us_at_target": allowed,
+        "nearest_ms": nearest["length_ms"],
+        "extra_us_at_nearest": nearest["extra_us"],
+        "extra_by_group_us_at_nearest": {
+            group: nearest["cpu_per_call_us"]["slicewise"][group]
+            - nearest["cpu_per_call_us"]["multi_controller"].get(group, 0.0)
+            for group in nearest["cpu_per_call_us"]["slicewise"]
+        },
     }
 
 
@@ -489,6 +572,30 @@ def report(result: dict[str, Any]) -> str:
         ),
         f"break-even (>= 95% of multi-controller): {result['break_even_ms']} ms",
     ]
+    by_cpu = [p for p in result["sweep"] if "ratio_from_cpu" in p]
+    if by_cpu:
+        lines.append(
+            "sweep by CPU (cores busy multi-controller/OpByOp; ratio the CPU per call allows; "
+            "OpByOp's CPU per call beyond multi-controller's, and the most that reaches 95%): "
+            + ", ".join(
+                f"{p['length_ms']:.2f} ms: {p['cores_busy']['multi_controller']:.1f}/"
+                f"{p['cores_busy']['slicewise']:.1f}, {p['ratio_from_cpu']:.2f}, "
+                f"{p['extra_us']:.0f} of {p['extra_allowed_us']:.0f} us"
+                for p in by_cpu
+            )
+        )
+    cpu_even = result.get("break_even_from_cpu")
+    if cpu_even:
+        extra = cpu_even["extra_by_group_us_at_nearest"]
+        lines.append(
+            f"break-even by CPU: {cpu_even['break_even_ms']} ms; at "
+            f"{cpu_even['target_ms']} ms a call may cost "
+            f"{cpu_even['extra_allowed_us_at_target']:.0f} us of CPU beyond the workers' "
+            f"own loop, and cost {cpu_even['extra_us_at_nearest']:.0f} us at "
+            f"{cpu_even['nearest_ms']:.2f} ms ("
+            + ", ".join(f"{g} {us:.0f}" for g, us in extra.items())
+            + " us)"
+        )
     scaling = result.get("controller_scaling")
     if scaling:
         fit, at = scaling["fit"], scaling["extrapolated"]

@@ -5,8 +5,17 @@ from __future__ import annotations
 import os
 import threading
 
+import pytest
+
 from benchmarks.common import CpuMeter, ThreadCpuMeter, cpu_seconds, thread_cpu_seconds
-from benchmarks.dispatch import NATIVE, _interleaved, cpu_bound, thread_group
+from benchmarks.dispatch import (
+    NATIVE,
+    _interleaved,
+    break_even_from_cpu,
+    cpu_bound,
+    length_cpu,
+    thread_group,
+)
 
 SPIN_S = 0.05  # CPU seconds the spinning thread uses: five clock ticks
 
@@ -92,3 +101,59 @@ def test_rounds_alternate_their_order_and_keep_each_measures_rates():
     rates = _interleaved(3, {"a": measure("a", 100), "b": measure("b", 200)})
     assert calls == ["a", "b", "b", "a", "a", "b"]
     assert rates == {"a": [101, 104, 105], "b": [202, 203, 206]}
+
+
+def test_a_length_of_the_sweep_is_judged_by_its_cpu_per_call():
+    # Multi-controller: 2 cores busy for 1 s, 1,000 calls of 2,000 us each, all in the
+    # workers; slicewise: 2,500 us per call, 500 us of it beyond the workers' loop.
+    point = length_cpu(
+        {
+            "multi_controller": {"client": 0.0, "controller": 0.0, "workers": 2.0},
+            "slicewise": {"client": 0.1, "controller": 0.2, "workers": 2.2},
+        },
+        {"multi_controller": 1.0, "slicewise": 1.25},
+        1000,
+        2,
+    )
+    assert point["cpu_per_call_us"]["slicewise"] == pytest.approx(
+        {"client": 100.0, "controller": 200.0, "workers": 2200.0}
+    )
+    assert point["cores_busy"] == pytest.approx({"multi_controller": 2.0, "slicewise": 2.0})
+    assert point["ratio_from_cpu"] == pytest.approx(0.8)
+    assert point["extra_us"] == pytest.approx(500.0)
+    assert point["extra_allowed_us"] == pytest.approx(2000 / 0.95 - 2000)
+
+
+def _point(length_ms: float, mc_us: float, ours: dict[str, float]) -> dict:
+    cpu = {"multi_controller": {"client": 0.0, "controller": 0.0, "workers": mc_us}}
+    cpu["slicewise"] = ours
+    total = sum(ours.values())
+    return {
+        "length_ms": length_ms,
+        "cpu_per_call_us": cpu,
+        "ratio_from_cpu": mc_us / total,
+        "extra_us": total - mc_us,
+        "extra_allowed_us": mc_us * (1 / 0.95 - 1),
+    }
+
+
+def test_the_break_even_by_cpu_is_read_off_the_sweep_at_the_papers_length():
+    ours = {"client": 50.0, "controller": 150.0, "workers": 0.0}
+    sweep = [
+        _point(1.0, 2000.0, {**ours, "workers": 2300.0}),
+        _point(4.0, 8000.0, {**ours, "workers": 8300.0}),
+        _point(16.0, 32000.0, {**ours, "workers": 32300.0}),
+    ]
+    even = break_even_from_cpu(sweep, 2.0)
+    # 500 us beyond the loop: 0.94 of 8,000 us at 4 ms, 0.985 of 32,000 at 16 ms.
+    assert even["break_even_ms"] == 16.0
+    # Halfway between 1 and 4 ms on a log scale: halfway between 105 and 421 us allowed.
+    assert even["extra_allowed_us_at_target"] == pytest.approx((2000 + 8000) / 2 * (1 / 0.95 - 1))
+    assert break_even_from_cpu(sweep, 3.0)["nearest_ms"] == 4.0
+    even = break_even_from_cpu(sweep, 1.5)
+    assert even["nearest_ms"] == 1.0
+    assert even["extra_us_at_nearest"] == pytest.approx(500.0)
+    assert even["extra_by_group_us_at_nearest"] == pytest.approx(
+        {"client": 50.0, "controller": 150.0, "workers": 300.0}
+    )
+    assert break_even_from_cpu([{"length_ms": 1.0, "ratio": 0.5}], 2.0) is None
