@@ -16,8 +16,8 @@ collects what is garbage now, so that nothing unreachable is frozen, and freezes
 rest. Objects frozen and later dropped are still freed by their reference counts; only
 a cycle among them would never be collected, which is why this runs at a few stages and
 not after every program. It costs one full collection per stage (~200 ms on the 2-core
-simulation; in the controller, a pause of its event loop). A controller embedded in
-another process (`--sim` in a test's process) freezes that process's heap as well.
+simulation; in the controller, a pause of its event loop). Unit tests that run a
+controller or a worker runtime inside the test process freeze that process's heap too.
 """
 
 from __future__ import annotations
