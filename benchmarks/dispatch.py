@@ -550,6 +550,10 @@ def plot(result: dict[str, Any], path: Path) -> None:
     plt.close(fig)
 
 
+def _length(ms: float | None) -> str:
+    return "not reached" if ms is None else f"{ms:.1f} ms"
+
+
 def report(result: dict[str, Any]) -> str:
     s, b, r = result["shapes"], result["baselines"], result["ratios"]
     rounds = result["round_ratios"]
@@ -570,7 +574,7 @@ def report(result: dict[str, Any]) -> str:
             + (f" ({p['ratio_min']:.2f}-{p['ratio_max']:.2f})" if "ratio_min" in p else "")
             for p in result["sweep"]
         ),
-        f"break-even (>= 95% of multi-controller): {result['break_even_ms']} ms",
+        f"break-even (>= 95% of multi-controller): {_length(result['break_even_ms'])}",
     ]
     by_cpu = [p for p in result["sweep"] if "ratio_from_cpu" in p]
     if by_cpu:
@@ -588,7 +592,7 @@ def report(result: dict[str, Any]) -> str:
     if cpu_even:
         extra = cpu_even["extra_by_group_us_at_nearest"]
         lines.append(
-            f"break-even by CPU: {cpu_even['break_even_ms']} ms; at "
+            f"break-even by CPU: {_length(cpu_even['break_even_ms'])}; at "
             f"{cpu_even['target_ms']} ms a call may cost "
             f"{cpu_even['extra_allowed_us_at_target']:.0f} us of CPU beyond the workers' "
             f"own loop, and cost {cpu_even['extra_us_at_nearest']:.0f} us at "
