@@ -18,6 +18,15 @@ the programs in flight one by one, so that the moment each is done is seen when 
 happens, not when the executor's thread gets round to looking: launching a program can
 itself block for about as long as a program runs (XLA:CPU with cross-process
 collectives does), and building a batch takes time too.
+
+The watcher costs a wake-up and a hand-over per program, which is nothing beside a
+training step but not beside a 1-ms call. So it watches only programs whose last run
+took WATCH_FROM_S or longer (and every program's first run, and work that is not a
+program's). A shorter program's end is seen by the executor's thread itself: it waits
+for the oldest program when the window is full or nothing is left to launch, waking
+when the program ends, as the watcher would; and before each launch it retires the
+programs already done. Only a program that ends while a launch blocks is seen late,
+when the launch returns.
 """
 
 from __future__ import annotations
@@ -79,6 +88,10 @@ def _has_runs(op: Op) -> bool:
     return getattr(op, "repeat", 1) > 1
 
 
+# Programs whose last run on the devices took at least this long are watched (see above).
+WATCH_FROM_S = 0.005
+
+
 def _is_ready(pending: Pending) -> bool:
     ready = getattr(pending, "ready", None)
     return bool(ready is not None and ready())
@@ -102,12 +115,28 @@ class _Flight:
     them, and the intervals are exactly the "execute" spans of the timeline.
     """
 
-    __slots__ = ("done", "error", "fut", "launched_ns", "op", "pending", "ready_ns", "values")
+    __slots__ = (
+        "done",
+        "error",
+        "fut",
+        "launched_ns",
+        "op",
+        "pending",
+        "ready_ns",
+        "values",
+        "watched",
+    )
 
     def __init__(
-        self, op: Op, pending: Pending, fut: Future[OpResult] | None, launched_ns: int
+        self,
+        op: Op,
+        pending: Pending,
+        fut: Future[OpResult] | None,
+        launched_ns: int,
+        watched: bool,
     ) -> None:
         self.op, self.pending, self.fut, self.launched_ns = op, pending, fut, launched_ns
+        self.watched = watched  # by the watcher thread; else the executor's sees its end
         # Set by the watcher under the executor's `_watched` condition (one condition for
         # all flights: an Event each cost ~20 us per operation to make).
         self.done = False
@@ -116,9 +145,15 @@ class _Flight:
         self.ready_ns = 0
 
 
+def _seen_done(flight: _Flight) -> bool:
+    """Whether the flight's program is known to be done: the watcher said so, or, for one
+    it does not watch, its outputs are ready."""
+    return flight.done or (not flight.watched and _is_ready(flight.pending))
+
+
 class InOrderExecutor:
     """Applies operations in sequence order on one thread, at most `window` in flight; a
-    second thread watches the programs in flight finish."""
+    second thread watches the programs in flight finish (all but short ones)."""
 
     def __init__(
         self,
@@ -141,6 +176,8 @@ class InOrderExecutor:
         # When the outputs of the last program retired were ready: the devices were busy
         # with it until then, so a program launched earlier could not start before.
         self._devices_free_ns = 0
+        # program id -> how long its last run kept the devices busy (ns): which to watch.
+        self._last_run_ns: dict[str, int] = {}
         self._window = window
         self._next = first_seq
         # Queued operations by seq, with the future `submit` returned (None: `enqueue`).
@@ -188,7 +225,7 @@ class InOrderExecutor:
         # A program whose outputs are ready is done, though the executor's thread (busy,
         # or stuck, on a later op) has not reported it yet.
         flights = [self._retiring, *list(self._in_flight)]
-        running = [f.op for f in flights if f is not None and not f.done]
+        running = [f.op for f in flights if f is not None and not _seen_done(f)]
         oldest = running[0] if running else self._applying
         if oldest is None and waiting is not None:
             oldest = waiting[0]
@@ -270,7 +307,7 @@ class InOrderExecutor:
                 # block for long (or for ever, on a host stuck in a collective): the
                 # channel sends what is reported within its bound whatever this thread
                 # then does.
-                while self._in_flight and (self._in_flight[0].done or _has_runs(ready[0])):
+                while self._in_flight and (_seen_done(self._in_flight[0]) or _has_runs(ready[0])):
                     self._retire_oldest()
                 self._launch(*ready)
 
@@ -298,12 +335,14 @@ class InOrderExecutor:
                 error = exc
             started = max(launched, self._devices_free_ns)
             self._devices_free_ns = ready
+            self._ran(op, ready - started)
             self._max_in_flight = max(self._max_in_flight, 1)
             self._finish(op, fut, launched, started, ready, error, values)
         else:
-            flight = _Flight(op, pending, fut, launched)
+            flight = _Flight(op, pending, fut, launched, self._watches(op))
             self._in_flight.append(flight)
-            self._to_watch.put(flight)
+            if flight.watched:
+                self._to_watch.put(flight)
             self._max_in_flight = max(self._max_in_flight, len(self._in_flight))
 
     def _watch(self) -> None:
@@ -319,18 +358,39 @@ class InOrderExecutor:
                 flight.done = True
                 self._watched.notify()
 
+    def _watches(self, op: Op) -> bool:
+        """Whether the watcher thread should see this program end (see the module's
+        docstring): yes unless it is a program whose last run was short."""
+        program = getattr(op, "program_id", None)
+        last = self._last_run_ns.get(program) if program is not None else None
+        return last is None or last >= WATCH_FROM_S * 1e9
+
+    def _ran(self, op: Op, busy_ns: int) -> None:
+        program = getattr(op, "program_id", None)
+        if program is not None:
+            self._last_run_ns[program] = busy_ns
+
     def _retire_oldest(self) -> None:
-        """Waits until the watcher is done with the oldest program in flight, and reports
-        when that program ran (see `_Flight`)."""
+        """Waits until the oldest program in flight is done (seen by the watcher, or here
+        when it is not watched), and reports when it ran (see `_Flight`)."""
         if not self._in_flight:
             return
         flight = self._retiring = self._in_flight.popleft()
-        with self._watched:
-            while not flight.done:
-                self._watched.wait()
+        if flight.watched:
+            with self._watched:
+                while not flight.done:
+                    self._watched.wait()
+        else:
+            try:
+                flight.values = flight.pending.wait()
+            except Exception as exc:  # noqa: BLE001 - reported to the controller, not raised
+                flight.error = exc
+            flight.ready_ns = self._clock()
+            flight.done = True
         self._retiring = None
         started = max(flight.launched_ns, self._devices_free_ns)
         self._devices_free_ns = flight.ready_ns
+        self._ran(flight.op, flight.ready_ns - started)
         self._finish(
             flight.op,
             flight.fut,

@@ -6,7 +6,7 @@ import pytest
 
 from slicewise.common.ops import DeleteOp, ExecOp
 from slicewise.testing import wait_until
-from worker.executor import InOrderExecutor, Progress, SequenceError
+from worker.executor import WATCH_FROM_S, InOrderExecutor, Progress, SequenceError
 
 TIMEOUT = 5.0  # the longest any test waits for something that should happen
 QUIET = 0.05  # how long a test watches for something that must not happen
@@ -365,6 +365,42 @@ def test_a_programs_end_is_seen_when_it_happens_even_while_a_launch_blocks(start
     first, second = results(futures)
     assert ran_ms(first) == (0, 100)
     assert ran_ms(second) == (100, 400)
+
+
+@pytest.mark.parametrize("long", [False, True], ids=["short", "long"])
+def test_only_a_long_programs_end_is_watched_once_its_first_run_is_known(start, long):
+    """The watcher thread waits for every program's first run; later runs of a program
+    shorter than WATCH_FROM_S are waited for on the executor's own thread (no hand-over
+    per call), with the same times reported; a long program's stay with the watcher."""
+    clock = Clock()
+    waited_by = {}
+
+    class Recording(TimedDevice):
+        def __call__(self, operation):
+            work = super().__call__(operation)
+            wait = work.wait
+
+            def recorded_wait():
+                waited_by[operation.seq] = threading.current_thread().name
+                return wait()
+
+            work.wait = recorded_wait
+            return work
+
+    run_ms = 2 * WATCH_FROM_S * 1e3 if long else WATCH_FROM_S * 1e3 / 2
+    plan = {s: (0, s * run_ms) for s in (1, 2, 3)}  # back to back on the devices
+    device = Recording(clock, plan, gated=False)
+    executor = start(device, window=3, clock=clock)
+    (first,) = results(executor.submit([ExecOp(1, "prog", ("x",), ("y",))]))
+    later = results(executor.submit([ExecOp(s, "prog", ("x",), ("y",)) for s in (2, 3)]))
+    assert waited_by[1] == "executor-watcher"
+    seen_by = "executor-watcher" if long else "in-order-executor"
+    assert waited_by[2] == waited_by[3] == seen_by
+    assert [ran_ms(r) for r in [first, *later]] == [
+        (0, run_ms),
+        (run_ms, 2 * run_ms),
+        (2 * run_ms, 3 * run_ms),
+    ]
 
 
 def test_a_failed_program_still_reports_when_it_ran(start):
