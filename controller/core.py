@@ -392,14 +392,20 @@ class Controller:
         gang.stream_batches += 1
         gang.streamed_calls += len(calls)
         refused: list[tuple[int, SlicewiseError]] = []
+        # A batch is usually many calls of a few programs: each program is looked up and
+        # checked against the gang once per batch, not once per call.
+        fitting: dict[str, Program] = {}
         for k, call in enumerate(calls):
             program_id, inputs, outputs = call[:3]
             repeat = max(1, call[3]) if len(call) > 3 else 1
             try:
-                program = self.programs.get(program_id)
-                program.check_fits(gang.shape, gang.platform, gang_id)
-                specs = [self._usable_array(h, base).spec for h in inputs]
-                program.check_inputs(specs, inputs)
+                program = fitting.get(program_id)
+                if program is None:
+                    program = self.programs.get(program_id)
+                    program.check_fits(gang.shape, gang.platform, gang_id)
+                    fitting[program_id] = program
+                records = [self._usable_array(h, base) for h in inputs]
+                program.check_inputs([r.spec for r in records], inputs)
                 self.arrays.check_new(base, outputs, len(program.outputs))
                 if repeat > 1:
                     _check_repeat(program, repeat)
@@ -408,7 +414,13 @@ class Controller:
                 self._fail_outputs(base, outputs, f"its call was refused: {exc}")
                 continue
             self._queue_call(
-                gang, client, program, tuple(inputs), names=tuple(outputs), repeat=repeat
+                gang,
+                client,
+                program,
+                tuple(inputs),
+                names=tuple(outputs),
+                repeat=repeat,
+                records=records,
             )
         return refused
 
@@ -492,10 +504,11 @@ class Controller:
         report: tuple[int, ...] = (),
         names: tuple[str, ...] = (),
         repeat: int = 1,
+        records: Sequence[ArrayRecord] = (),
     ) -> tuple[Ticket, list[ArrayRecord]]:
         """Queues one call whose inputs were checked (`repeat` runs of it, checked by
         `_check_repeat`); its outputs get `names` (checked new handles the client chose)
-        or new handles."""
+        or new handles. `records` are the inputs' records when the caller has them."""
         loaded = self._ensure_loaded(gang, client, program)
         outputs = [
             self.arrays.new(gang.gang_id, spec, handle=name)
@@ -517,9 +530,9 @@ class Controller:
                     repeat,
                 ),
             ),
-            needs=[loaded, *(self.arrays.get(h) for h in handles)],
+            needs=[loaded, *(records or [self.arrays.get(h) for h in handles])],
         )
-        ticket.done.add_done_callback(lambda f: self._executed(gang, client, outputs, f.result()))
+        ticket.settled = functools.partial(self._executed, gang, client, outputs)
         return ticket, outputs
 
     @staticmethod

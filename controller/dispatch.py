@@ -58,6 +58,9 @@ class Ticket:
     values: tuple[Any, ...] | None = None  # reported output values (ExecOp.report)
     # worker -> (started_ns, finished_ns): when the op ran there, by that worker's clock
     ran: dict[int, tuple[int, int]] = field(default_factory=dict)
+    # Called with the outcome when the op settles, before anything awaiting `done` runs
+    # (a callback on `done` would cost an event-loop turn per call).
+    settled: Callable[[str | None], None] | None = None
 
     def op_for(self, worker: int) -> Op:
         assert self.ops is not None
@@ -276,6 +279,11 @@ class Dispatcher:
         if item.done.done():
             return
         item.done.set_result(error)
+        if item.settled is not None:
+            try:
+                item.settled(error)
+            except Exception:  # noqa: BLE001 - one op's bookkeeping must not stop the rest
+                log.exception("%s: settling operation %d failed", self._name, item.seq)
         if self._observer is not None and item.ops is not None:
             kind = type(item.op_for(0)).__name__.removesuffix("Op").lower()
             with contextlib.suppress(Exception):

@@ -163,6 +163,40 @@ def test_an_op_settles_only_when_every_worker_reported_it():
     assert result is None
 
 
+def test_each_ops_settled_hook_hears_its_outcome_before_anyone_awaiting_it_runs():
+    """`Ticket.settled` runs inside the settling (no event-loop turn per call); one that
+    raises is logged and the other operations still settle."""
+
+    async def scenario():
+        workers = FakeWorkers(2, errors={(0, 2): "boom"})
+        dispatcher = Dispatcher(workers.send, workers.poll, 2)
+        heard = []
+        tickets = [dispatcher.submit(delete) for _ in range(3)]
+
+        def hook(k):
+            def settled(error):
+                heard.append((k, error))
+                if k == 0:
+                    raise RuntimeError("a broken hook")
+
+            return settled
+
+        for k, ticket in enumerate(tickets):
+            ticket.settled = hook(k)
+
+        async def awaiting(k):
+            error = await tickets[k].done
+            return (k, error) in heard, error
+
+        results = await asyncio.gather(*(awaiting(k) for k in range(3)))
+        await dispatcher.close("done")
+        return heard, results
+
+    heard, results = run(scenario())
+    assert sorted(heard) == [(0, None), (1, "boom"), (2, None)]
+    assert results == [(True, None), (True, "boom"), (True, None)]
+
+
 def test_in_flight_operations_are_bounded_and_the_rest_follow_as_they_complete():
     async def scenario():
         workers = FakeWorkers(2, hold=True)
