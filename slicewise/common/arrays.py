@@ -3,6 +3,7 @@ shape-and-dtype spec of a remote array."""
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -13,6 +14,7 @@ from slicewise.common.errors import InvalidRequestError
 from slicewise.common.limits import MAX_ARRAY_EXTENT_BYTES, MAX_ARRAY_RANK, MAX_DTYPE_NAME
 
 
+@functools.lru_cache(maxsize=64)  # a name that raises is not kept
 def dtype_of(name: str) -> np.dtype:
     """A numpy dtype from its name, including JAX's extra ones (bfloat16, float8_*).
 
