@@ -8,13 +8,17 @@ controller's log.
 
 from __future__ import annotations
 
+import fcntl
 import os
 from pathlib import Path
+from typing import IO
 
 import pytest
 
 import slicewise
+from protos import controller_pb2 as pb
 from slicewise.launch import ControllerProcess
+from slicewise.testing import wait_until
 
 # Two single-host slices for multislice work, one 4-host slice for multi-host work.
 SHARED_SIM = "2xv5litepod-4,v5litepod-16"
@@ -87,7 +91,7 @@ def two_slices(client):
 
 
 @pytest.fixture(scope="session")
-def lm_reference(controller):
+def lm_reference(controller, tmp_path_factory):
     """(info, steps) of an uninterrupted `test_checkpoints.CONFIG` run of all its
     `total_steps` (40) on 2 x v5litepod-4, without checkpoints, on the shared controller.
 
@@ -98,5 +102,53 @@ def lm_reference(controller):
     """
     from tests.integration.test_checkpoints import CONFIG, run_job
 
-    with slicewise.connect(controller.address, name=f"reference-{os.getpid()}") as client:
-        return run_job(client, int(CONFIG["total_steps"]), checkpoint_every=0)
+    def run() -> tuple[pb.JobInfo, list[pb.StepMetrics]]:
+        with slicewise.connect(controller.address, name=f"reference-{os.getpid()}") as client:
+            return run_job(client, int(CONFIG["total_steps"]), checkpoint_every=0)
+
+    # The suite's workers (pytest-xdist) share one run: its info and steps are kept beside
+    # their temporary directories, under this run's id, by whichever asks first.
+    run_id = os.environ.get("PYTEST_XDIST_TESTRUNUID")
+    if not run_id:
+        return run()
+    path = tmp_path_factory.getbasetemp().parent / f"lm-reference-{run_id}.pb"
+    with open(path.with_suffix(".lock"), "w") as lock:
+        wait_until(
+            lambda: _try_lock(lock),
+            timeout_s=900,
+            interval_s=0.5,
+            what="the other test worker's reference run",
+        )
+        try:
+            if path.exists():
+                return _read_run(path.read_bytes())
+            info, steps = run()
+            path.write_bytes(_written_run(info, steps))
+            return info, steps
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def _try_lock(lock: IO[str]) -> bool:
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False
+    return True
+
+
+def _written_run(info: pb.JobInfo, steps: list[pb.StepMetrics]) -> bytes:
+    """A job's info and steps as length-prefixed messages (the info first)."""
+    return b"".join(
+        len(m).to_bytes(4, "little") + m
+        for m in (info.SerializeToString(), *(s.SerializeToString() for s in steps))
+    )
+
+
+def _read_run(data: bytes) -> tuple[pb.JobInfo, list[pb.StepMetrics]]:
+    messages = []
+    while data:
+        n = int.from_bytes(data[:4], "little")
+        messages.append(data[4 : 4 + n])
+        data = data[4 + n :]
+    return pb.JobInfo.FromString(messages[0]), [pb.StepMetrics.FromString(m) for m in messages[1:]]
