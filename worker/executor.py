@@ -62,6 +62,7 @@ Clock = Callable[[], int]  # wall-clock nanoseconds
 # or only device work to wait for): completions reported since should go out now. While
 # operations are queued behind a full window it is not called: the completions of a busy
 # stretch then travel together (the channel bounds how long one waits; channel.py).
+# It runs on the executor's thread, holding none of the executor's locks.
 OnIdle = Callable[[], None]
 
 
@@ -289,9 +290,16 @@ class InOrderExecutor:
     def _loop(self) -> None:
         while True:
             with self._cond:
-                while not self._stopped and self._next not in self._waiting and not self._in_flight:
-                    self._on_idle()
-                    self._cond.wait()
+                while self._idle():
+                    # Not under the lock: it may send (the channel's flush), and the
+                    # receiver must be able to queue meanwhile.
+                    self._cond.release()
+                    try:
+                        self._on_idle()
+                    finally:
+                        self._cond.acquire()
+                    if self._idle():
+                        self._cond.wait()
                 if self._stopped:
                     self._fail_all("worker is shutting down")
                     return
@@ -310,6 +318,10 @@ class InOrderExecutor:
                 while self._in_flight and (_seen_done(self._in_flight[0]) or _has_runs(ready[0])):
                     self._retire_oldest()
                 self._launch(*ready)
+
+    def _idle(self) -> bool:
+        """Nothing to launch and nothing in flight (under `_cond`)."""
+        return not self._stopped and self._next not in self._waiting and not self._in_flight
 
     def _launch(self, op: Op, fut: Future[OpResult] | None) -> None:
         launched = self._clock()

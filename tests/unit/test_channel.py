@@ -16,6 +16,7 @@ from slicewise.common.framing import LENGTH, ChannelError, frame, hello, unframe
 from slicewise.common.mesh import MeshAxis, MeshSpec
 from slicewise.common.ops import DeleteOp, LoadOp, OpResult
 from tests.unit.test_codec import Exploit
+from worker import channel as worker_channel
 from worker.channel import WorkerEnd
 from worker.executor import InOrderExecutor
 from worker.transport import DataServer
@@ -218,6 +219,24 @@ def test_completions_go_out_unflushed_within_the_bound():
         assert send_three_unflushed(worker) == [1, 2, 3]
     finally:
         worker.close()
+
+
+@pytest.mark.parametrize("flush", [True, False], ids=["flushed", "unflushed"])
+def test_a_flush_sends_on_the_executors_thread_and_the_bound_on_the_senders(flush, monkeypatch):
+    """An idle executor's flush sends its completions itself (no thread woken for it);
+    those it never flushes go out from the sender thread within the bound."""
+    if flush:  # so that only the flush can send them while the test waits
+        monkeypatch.setattr(worker_channel, "FLUSH_AFTER_S", 10 * TIMEOUT)
+    sent_by = []
+    worker = Worker(
+        flush=flush,
+        on_sent=lambda batch, started, finished: sent_by.append(threading.current_thread().name),
+    )
+    try:
+        assert send_three_unflushed(worker) == [1, 2, 3]
+    finally:
+        worker.close()
+    assert set(sent_by) == {"in-order-executor" if flush else "control-sender"}
 
 
 def test_a_worker_end_without_a_token_cannot_be_made():
