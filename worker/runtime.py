@@ -72,7 +72,10 @@ class _Outputs:
         self._report = report
 
     def ready(self) -> bool:
-        return all(a.is_ready() for a in self._arrays)
+        for a in self._arrays:  # asked before every launch: no generator
+            if not a.is_ready():
+                return False
+        return True
 
     def wait(self) -> tuple[np.ndarray, ...] | None:
         for a in self._arrays:
