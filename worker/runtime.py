@@ -72,7 +72,7 @@ class _Outputs:
         self._report = report
 
     def ready(self) -> bool:
-        for a in self._arrays:  # asked before every launch: no generator
+        for a in self._arrays:  # noqa: SIM110 - asked before every launch: no generator
             if not a.is_ready():
                 return False
         return True
