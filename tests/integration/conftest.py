@@ -121,9 +121,10 @@ def lm_reference(controller, tmp_path_factory):
         )
         try:
             if path.exists():
-                return _read_run(path.read_bytes())
+                kept = pb.JobMetrics.FromString(path.read_bytes())
+                return kept.job, list(kept.steps)
             info, steps = run()
-            path.write_bytes(_written_run(info, steps))
+            path.write_bytes(pb.JobMetrics(job=info, steps=steps).SerializeToString())
             return info, steps
         finally:
             fcntl.flock(lock, fcntl.LOCK_UN)
@@ -135,20 +136,3 @@ def _try_lock(lock: IO[str]) -> bool:
     except BlockingIOError:
         return False
     return True
-
-
-def _written_run(info: pb.JobInfo, steps: list[pb.StepMetrics]) -> bytes:
-    """A job's info and steps as length-prefixed messages (the info first)."""
-    return b"".join(
-        len(m).to_bytes(4, "little") + m
-        for m in (info.SerializeToString(), *(s.SerializeToString() for s in steps))
-    )
-
-
-def _read_run(data: bytes) -> tuple[pb.JobInfo, list[pb.StepMetrics]]:
-    messages = []
-    while data:
-        n = int.from_bytes(data[:4], "little")
-        messages.append(data[4 : 4 + n])
-        data = data[4 + n :]
-    return pb.JobInfo.FromString(messages[0]), [pb.StepMetrics.FromString(m) for m in messages[1:]]
