@@ -264,7 +264,9 @@ def test_a_request_whose_max_wait_passes_gets_the_schedulers_reason():
         manager = await manager_for(cluster, clock)
         await manager.allocate(1, V4)
         waiting = asyncio.create_task(manager.allocate(1, V4, max_wait_s=30))
-        await asyncio.sleep(0.01)
+        # Queued (its deadline taken) before the clock moves; a 10-ms sleep stood in for
+        # this and under the suite's load the clock sometimes moved first.
+        await until(lambda: len(manager.scheduler.queued()) == 1)
         clock.advance(31)
         manager.decide()
         with pytest.raises(DeadlineError, match="longer than its max wait of 30 s"):
