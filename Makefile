@@ -21,8 +21,10 @@ demo: install
 
 # Two workers, one test file at a time each (a file's tests share its cluster): most of a
 # multi-process test's time is spent waiting for processes, so two overlap well on 2 cores.
+# Files start in the order tests/conftest.py collects them (slowest first); without
+# --no-loadscope-reorder xdist would start the files with the most tests first instead.
 test: install
-	$(PY) -m pytest -n 2 --dist loadfile
+	$(PY) -m pytest -n 2 --dist loadfile --no-loadscope-reorder
 
 # ruff on everything; mypy on the controller, the workers, the client and the shared layer.
 LINTED := controller worker programs benchmarks tests slicewise

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -109,9 +111,10 @@ def controller_process(**kwargs: object) -> Iterator[ControllerProcess]:
 
 class RestartableController:
     """A controller on `sim` (or joined to the Ray cluster at `ray_address`) that can be
-    killed or stopped and started again on the same state directory and port (`directory/state`, logs in `directory/controller-N.log`);
-    at `close` every process it started is gone, also those of a controller killed
-    outright (each start runs in a session of its own)."""
+    killed or stopped and started again on the same state directory (`directory/state`)
+    and port (a `stable_port`), logs in `directory/controller-N.log`; at `close` every
+    process it started is gone, also those of a controller killed outright (each start
+    runs in a session of its own)."""
 
     def __init__(
         self,
@@ -129,7 +132,7 @@ class RestartableController:
         self.extra_args = extra_args
         self.env = env  # added to this process's environment (e.g. Ray's token)
         self.state = directory / "state"
-        self.port = 0
+        self.port = stable_port()
         self.starts = 0
         self.proc: ControllerProcess | None = None
         self.sessions: list[int] = []
@@ -163,6 +166,36 @@ class RestartableController:
         for session in self.sessions:  # whatever a killed controller left behind
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(session, signal.SIGKILL)
+
+
+def stable_port(low: int = 10000, high: int | None = None, tries: int = 50) -> int:
+    """A port free on 127.0.0.1 now, from `low` up to `high` (default: just below the
+    kernel's ephemeral range), for a controller that must come back on the port it had.
+
+    A port the kernel hands out (`--port 0`) is from the ephemeral range, which is also
+    where every outgoing connection takes its local port: once a killed controller's
+    port is free, any connection on the machine may take it before the controller is
+    started again (it happened under the test suite's load: "Address already in use").
+    Below the range only an explicit bind can take it.
+
+    Raises:
+        OSError: no free port was found in `tries` random picks.
+    """
+    if high is None:
+        try:
+            with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+                high = int(f.read().split()[0]) - 1
+        except (OSError, ValueError, IndexError):
+            high = 32767  # Linux's default range starts at 32768
+    for _ in range(tries):
+        port = random.randint(low, max(low, high))
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+            try:
+                probe.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise OSError(f"no free port on 127.0.0.1 between {low} and {high} in {tries} tries")
 
 
 def _wait_for_listening(proc: subprocess.Popen, timeout_s: float) -> list[str]:

@@ -46,9 +46,9 @@ class Restartable(RestartableController):
         super().__init__(directory, sim=SIM)
 
     def start(self) -> ControllerProcess:
+        path = self.log_path(self.starts + 1)
+        _LOGS.append(path)  # shown also when this start fails
         proc = super().start()
-        path = self.log_path(self.starts)
-        _LOGS.append(path)
         _LOG_OF[proc.pid] = path
         return proc
 
