@@ -20,7 +20,6 @@ from worker.transport import DataServer
 TOKEN = "fedcba9876543210"
 GANG = GangShape(num_slices=2, hosts_per_slice=1, chips_per_host=4)
 MESH = MeshSpec.build({"slice": 2}, {"chip": 4})
-LATER = int(time.time()) + 600
 
 
 class Host:
@@ -47,12 +46,15 @@ def hosts():
 
 
 def parts(hosts, op, key, sharding=None, array=None):
+    # Ten minutes from now, not from when the module was collected: in a 20-minute suite
+    # a module-level deadline had passed by the time these tests ran.
+    later = int(time.time()) + 600
     pieces = sharding.process_pieces(array.shape, GANG) if sharding else {}
     result = []
     for p, h in enumerate(hosts):
         mine = tuple(pieces.get(p, ()))
         nbytes = sum(array[i].nbytes for i in mine)
-        shown = capability.issue(TOKEN, op, key, LATER, nbytes if op == "put" else 0)
+        shown = capability.issue(TOKEN, op, key, later, nbytes if op == "put" else 0)
         result.append(direct.HostPart(h.server.address, shown, mine))
     return result
 

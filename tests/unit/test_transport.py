@@ -117,18 +117,23 @@ def test_a_data_server_without_a_token_cannot_be_made():
 
 # -- capabilities: a client's direct put or get -------------------------------------------
 
-LATER = int(time.time()) + 600
+
+@pytest.fixture
+def later():
+    """A deadline ten minutes from when the test runs (not from when it was collected: in
+    a 20-minute suite a module-level deadline had passed by the time its tests ran)."""
+    return int(time.time()) + 600
 
 
-def test_a_get_capability_reads_its_key_once_and_nothing_else(store):
+def test_a_get_capability_reads_its_key_once_and_nothing_else(store, later):
     datalink.put(store.server.address, TOKEN, "a", [PIECE])
     datalink.put(store.server.address, TOKEN, "b", [PIECE])
-    shown = capability.issue(TOKEN, "get", "a", LATER)
+    shown = capability.issue(TOKEN, "get", "a", later)
     for header in (
         {"op": "get", "capability": shown, "key": "b"},  # another key
         {"op": "put", "capability": shown, "key": "a", "pieces": [piece_meta(*PIECE)]},
         {"op": "control", "capability": shown, "key": "a", "epoch": 1},
-        {"op": "drop", "capability": shown, "key": "a", "expires": LATER},
+        {"op": "drop", "capability": shown, "key": "a", "expires": later},
     ):
         arrays = [PIECE[1] + 1] if header["op"] == "put" else []
         reply = ask(store.server.address, header, arrays)
@@ -140,9 +145,9 @@ def test_a_get_capability_reads_its_key_once_and_nothing_else(store):
     assert reply["pieces"] == [piece_meta(*PIECE)]
 
 
-def test_a_put_capability_stages_exactly_its_bytes_with_its_deadline(store):
+def test_a_put_capability_stages_exactly_its_bytes_with_its_deadline(store, later):
     nbytes = PIECE[1].nbytes
-    shown = capability.issue(TOKEN, "put", "k", LATER, nbytes)
+    shown = capability.issue(TOKEN, "put", "k", later, nbytes)
     bigger = (PIECE[0], np.zeros((2, 4), np.float32))
     reply = ask(
         store.server.address,
@@ -153,36 +158,36 @@ def test_a_put_capability_stages_exactly_its_bytes_with_its_deadline(store):
     assert store.stored == {}
     header = {"op": "put", "capability": shown, "key": "k", "pieces": [piece_meta(*PIECE)]}
     assert ask(store.server.address, header, [PIECE[1]]) == {"ok": True}
-    assert store.expires["k"] == LATER
+    assert store.expires["k"] == later
     np.testing.assert_array_equal(store.stored["k"][0][1], PIECE[1])
     # The controller's own puts carry no deadline.
     datalink.put(store.server.address, TOKEN, "c", [PIECE])
     assert store.expires["c"] == 0
 
 
-def test_an_expired_or_foreign_capability_is_refused(store):
+def test_an_expired_or_foreign_capability_is_refused(store, later):
     expired = capability.issue(TOKEN, "get", "k", int(time.time()) - 1)
-    foreign = capability.issue("another gang's token", "get", "k", LATER)
+    foreign = capability.issue("another gang's token", "get", "k", later)
     datalink.put(store.server.address, TOKEN, "k", [PIECE])
     for shown in (expired, foreign, "", None, 7):
         reply = ask(store.server.address, {"op": "get", "capability": shown, "key": "k"})
         assert "wrong capability" in reply["error"] or "wrong or missing token" in reply["error"]
 
 
-def test_a_refused_put_is_answered_with_its_reason(store):
+def test_a_refused_put_is_answered_with_its_reason(store, later):
     store.refuse = "the direct put k has ended"
-    shown = capability.issue(TOKEN, "put", "k", LATER, PIECE[1].nbytes)
+    shown = capability.issue(TOKEN, "put", "k", later, PIECE[1].nbytes)
     header = {"op": "put", "capability": shown, "key": "k", "pieces": [piece_meta(*PIECE)]}
     reply = ask(store.server.address, header, [PIECE[1]])
     assert "has ended" in reply["error"]
 
 
-def test_only_the_controller_may_drop_staged_pieces(store):
-    datalink.drop(store.server.address, TOKEN, "k", LATER)
-    assert store.dropped == [("k", LATER)]
+def test_only_the_controller_may_drop_staged_pieces(store, later):
+    datalink.drop(store.server.address, TOKEN, "k", later)
+    assert store.dropped == [("k", later)]
     with pytest.raises(TransportError, match="wrong or missing token"):
-        datalink.drop(store.server.address, "wrong", "k", LATER)
-    assert store.dropped == [("k", LATER)]
+        datalink.drop(store.server.address, "wrong", "k", later)
+    assert store.dropped == [("k", later)]
 
 
 def test_received_pieces_are_aligned_for_xla_to_take_without_a_copy(store):
