@@ -107,6 +107,7 @@ class SimCluster:
                 "node_ip_address": LOOPBACK,
                 "object_store_memory": self.head_object_store_mb * 2**20,
                 "include_dashboard": False,
+                "include_log_monitor": False,
             },
         )
         try:
@@ -135,6 +136,10 @@ class SimCluster:
             resources=host_resources(slice_name, stype, worker_id),
             labels=host_labels(slice_name, stype, worker_id),
             object_store_memory=self.host_object_store_mb * 2**20,
+            # A log monitor per node tails every worker's log files to forward them to
+            # drivers, and the controller takes none (`log_to_driver=False`): it would
+            # only poll, on every simulated host, with the hosts' CPU.
+            include_log_monitor=False,
         )
         self._hosts[(slice_name, worker_id)] = node
         return node
