@@ -19,12 +19,12 @@ $(STAMP): pyproject.toml setup.py $(wildcard protos/*.proto)
 demo: install
 	$(VENV)/bin/slicewise demo
 
-# Two workers, one test file at a time each (a file's tests share its cluster): most of a
-# multi-process test's time is spent waiting for processes, so two overlap well on 2 cores.
-# Files start in the order tests/conftest.py collects them (slowest first); without
-# --no-loadscope-reorder xdist would start the files with the most tests first instead.
+# Two workers, one test file at a time each (a file's tests share its cluster); the 2
+# cores are 92-95% busy through a run (/proc/stat, 2026-12-03), so the suite's time is
+# its CPU. xdist starts the files with the most tests first; starting the slowest first
+# (--no-loadscope-reorder) took as long in clean runs on the same afternoon.
 test: install
-	$(PY) -m pytest -n 2 --dist loadfile --no-loadscope-reorder
+	$(PY) -m pytest -n 2 --dist loadfile
 
 # ruff on everything; mypy on the controller, the workers, the client and the shared layer.
 LINTED := controller worker programs benchmarks tests slicewise

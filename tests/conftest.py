@@ -52,37 +52,3 @@ def pytest_terminal_summary(terminalreporter):
     terminalreporter.write_line(f"{total:8.1f}s in all, {len(_FILE_SECONDS)} files")
     for path, seconds in sorted(_FILE_SECONDS.items(), key=lambda kv: -kv[1])[:20]:
         terminalreporter.write_line(f"{seconds:8.1f}s {path}")
-
-
-# The slowest files of a clean run (2026-12-03, `make test`), slowest first. With
-# `--dist loadfile` a file runs whole on one worker, in the order collected (the Makefile
-# keeps xdist from reordering them): a slow file collected last runs alone at the end.
-# Started first, the files left for the end are short ones. Files not named keep their
-# order after these.
-SLOW_FIRST = (
-    "tests/integration/test_recovery.py",
-    "tests/integration/test_training.py",
-    "tests/integration/test_controller_restart.py",
-    "tests/integration/test_preemption_resume.py",
-    "tests/integration/test_moe_training.py",
-    "tests/integration/test_fuzz.py",
-    "tests/integration/test_scheduling.py",
-    "tests/integration/test_checkpoint_reshape.py",
-    "tests/integration/test_shutdown.py",
-    "tests/unit/test_moe_sharded.py",
-    "tests/integration/test_auth.py",
-    "tests/integration/test_moe_sharded.py",
-    "tests/integration/test_checkpoint_crash.py",
-    "tests/integration/test_checkpoints.py",
-    "tests/integration/test_elastic.py",
-    "tests/integration/test_step_metrics.py",
-    "tests/integration/test_async_dispatch.py",
-    "tests/integration/test_bad_input.py",
-    "tests/integration/test_readme.py",
-    "tests/unit/test_moe_layer.py",
-)
-
-
-def pytest_collection_modifyitems(items):
-    rank = {path: k for k, path in enumerate(SLOW_FIRST)}
-    items.sort(key=lambda item: rank.get(item.nodeid.partition("::")[0], len(rank)))
