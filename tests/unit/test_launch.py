@@ -3,6 +3,8 @@
 import socket
 from pathlib import Path
 
+import pytest
+
 from slicewise.launch import stable_port
 
 
@@ -21,9 +23,5 @@ def test_a_port_in_use_is_never_picked():
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as held:
         held.bind(("127.0.0.1", 0))
         taken = held.getsockname()[1]
-        try:
+        with pytest.raises(OSError, match=f"between {taken} and {taken} in 3 tries"):
             stable_port(low=taken, high=taken, tries=3)
-        except OSError as exc:
-            assert f"between {taken} and" in str(exc)
-        else:
-            raise AssertionError("a port in use was returned")
