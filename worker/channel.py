@@ -59,12 +59,19 @@ FLUSH_AT = 64
 # Step times are measured on the worker (OpResult.started_ns/finished_ns), so this delays
 # only when the controller hears of a completion, never what it reports.
 FLUSH_AFTER_S = 0.005
-# ... and while at least DEEP_BACKLOG operations are queued on this worker: then hearing
-# later starves no one (the controller refills its window long before it runs dry), and
-# a client's stream of short calls costs a frame per ~20 ms instead of per ~2 calls.
-# A job's runner keeps only a few steps queued, so its completions keep the short bound.
+# ... and while the queue on this worker is deep: at least DEEP_BACKLOG operations, or
+# work for DEEP_QUEUE_S or more at the pace of the last operation. Then hearing later
+# starves no one (the controller refills its window long before the queue runs dry, and
+# a worker that runs dry flushes at once), and a client's stream of calls costs a frame
+# per ~100 ms instead of one per call or two. Each frame wakes the controller's event
+# loop, which on the 2-core simulation costs 150-350 us of CPU after a sleep (asyncio's
+# own path; a bare blocking read costs 25 us): at 3-ms calls the controller's CPU per
+# call went from 262 to 200 us with this bound at 0.1 s instead of 0.02 s, and at 9-ms
+# calls from 525 to 300 us. A job's runner keeps only a few steps queued, so its
+# completions keep the short bound unless its steps are very long.
 DEEP_BACKLOG = 64
-FLUSH_AFTER_DEEP_S = 0.02
+DEEP_QUEUE_S = 0.5
+FLUSH_AFTER_DEEP_S = 0.1
 
 # How often a worker says it is alive, and where it is.
 BEAT_S = 0.5
@@ -109,6 +116,7 @@ class WorkerEnd:
         self._backlog = backlog or (lambda: 0)  # operations queued or running here
         self._done: list[OpResult] = []
         self._first_done = 0.0  # time.monotonic() when the oldest of `_done` was queued
+        self._last_op_ns = 0  # how long the last operation completed took to run
         self._cond = threading.Condition()
         self._conn: socket.socket | None = None
         self._send_lock = threading.Lock()
@@ -120,6 +128,7 @@ class WorkerEnd:
         once when many are waiting, and at the latest FLUSH_AFTER_S from now."""
         with self._cond:
             self._done.append(result)
+            self._last_op_ns = result.finished_ns - result.started_ns
             if len(self._done) == 1:
                 self._first_done = time.monotonic()
                 self._cond.notify()  # the sender times the bound from here
@@ -216,7 +225,7 @@ class WorkerEnd:
                     if not self._done:
                         self._cond.wait()
                         continue
-                    bound = FLUSH_AFTER_DEEP_S if self._backlog() >= DEEP_BACKLOG else FLUSH_AFTER_S
+                    bound = FLUSH_AFTER_DEEP_S if self._deep() else FLUSH_AFTER_S
                     left = self._first_done + bound - time.monotonic()
                     if len(self._done) >= FLUSH_AT or left <= 0:
                         break
@@ -226,6 +235,12 @@ class WorkerEnd:
                 batch, self._done = self._done, []
             if not self._send_batch(conn, batch):
                 return
+
+    def _deep(self) -> bool:
+        """Whether the queue here is deep enough to hold completions longer (see
+        FLUSH_AFTER_DEEP_S); under `_cond`."""
+        backlog = self._backlog()
+        return backlog >= DEEP_BACKLOG or backlog * self._last_op_ns >= DEEP_QUEUE_S * 1e9
 
     def _send_batch(self, conn: socket.socket, batch: list[OpResult]) -> bool:
         """Sends one frame of completions; False (and the connection shut) if it failed.

@@ -6,6 +6,7 @@ import asyncio
 import pickle
 import socket
 import threading
+import time
 
 import pytest
 
@@ -172,6 +173,110 @@ def test_a_worker_that_goes_away_ends_the_channel_with_a_clear_error():
         w.close()
 
 
+class Listener:
+    """What a channel's listener is handed: frames of completions, then its failure."""
+
+    def __init__(self, channel, raises=None):
+        self.frames = []
+        self.errors = []
+        self.raises = raises
+        self.changed = asyncio.Event()
+        channel.listen(self.on_results, self.on_error)
+
+    def on_results(self, results):
+        self.frames.append([r.seq for r in results])
+        self.changed.set()
+        if self.raises is not None:
+            raise self.raises
+
+    def on_error(self, error):
+        self.errors.append(error)
+        self.changed.set()
+
+    async def until(self, condition):
+        while not condition():
+            self.changed.clear()
+            await self.changed.wait()
+
+
+def test_a_listener_is_handed_each_frame_of_completions_also_those_before_it_listened(worker):
+    async def scenario():
+        channel = await ControllerEnd.connect(worker.server.address, TOKEN, 1, "host 0")
+        await channel.send([DeleteOp(1, ())])
+        await receive_all(channel, 1)  # taken before anyone listened
+        await channel.send([DeleteOp(2, ())])
+        while worker.end.counts["frames_out"] < 2:  # op 2's completion was sent
+            await asyncio.sleep(0.01)
+        listener = Listener(channel)
+        await listener.until(lambda: listener.frames)
+        await channel.send([DeleteOp(3, ())])
+        await listener.until(lambda: sum(map(len, listener.frames)) == 2)
+        channel.close()
+        return listener
+
+    listener = run(scenario())
+    assert listener.frames == [[2], [3]] and listener.errors == []
+
+
+def test_a_listener_hears_once_that_the_worker_went_away():
+    w = Worker()
+
+    async def scenario():
+        channel = await ControllerEnd.connect(w.server.address, TOKEN, 1, "host 1 of slice s")
+        listener = Listener(channel)
+        with w.end._cond:
+            conn = w.end._conn
+        conn.shutdown(socket.SHUT_RDWR)
+        await listener.until(lambda: listener.errors)
+        with pytest.raises(ChannelError, match="sending to host 1 of slice s failed"):
+            await channel.send([DeleteOp(1, ())])
+        channel.close()
+        return listener
+
+    try:
+        listener = run(scenario())
+    finally:
+        w.close()
+    assert len(listener.errors) == 1
+    assert "host 1 of slice s closed its control channel" in str(listener.errors[0])
+
+
+def test_a_listener_hears_of_a_refused_batch(worker):
+    async def scenario():
+        refused = await ControllerEnd.connect(worker.server.address, TOKEN, 1, "host 0")
+        listener = Listener(refused)
+        await refused.send([DeleteOp(1, ())])
+        await listener.until(lambda: listener.frames)
+        await refused.send([DeleteOp(1, ())])  # seq 1 again: the worker refuses it
+        await listener.until(lambda: listener.errors)
+        refused.close()
+        return listener
+
+    listener = run(scenario())
+    assert listener.frames == [[1]] and len(listener.errors) == 1
+    assert "host 0 refused operations" in str(listener.errors[0])
+    assert "already submitted" in str(listener.errors[0])
+
+
+def test_a_listener_that_raises_fails_the_channel_with_why():
+    w = Worker()
+
+    async def scenario():
+        channel = await ControllerEnd.connect(w.server.address, TOKEN, 1, "host 0")
+        listener = Listener(channel, raises=KeyError("a bug"))
+        await channel.send([DeleteOp(1, ())])
+        await listener.until(lambda: listener.errors)
+        channel.close()
+        return listener
+
+    try:
+        listener = run(scenario())
+    finally:
+        w.close()
+    assert listener.frames == [[1]]
+    assert [str(e) for e in listener.errors] == ["handling completions from host 0 failed: 'a bug'"]
+
+
 def test_operations_that_complete_back_to_back_come_back_in_one_frame(worker):
     async def scenario():
         channel = await ControllerEnd.connect(worker.server.address, TOKEN, 1, "host 0")
@@ -201,6 +306,10 @@ def test_completions_go_out_unflushed_also_while_the_backlog_is_deep():
     worker = Worker(flush=False, backlog=lambda: 10_000)
     try:
         assert send_three_unflushed(worker) == [1, 2, 3]
+        # The worker counts a frame once it is sent, which may be after it arrived here.
+        deadline = time.monotonic() + TIMEOUT
+        while worker.end.counts["completions_out"] < 3 and time.monotonic() < deadline:
+            time.sleep(0.01)
         assert worker.end.counts == {
             "frames_in": 1,
             "ops_in": 3,
@@ -209,6 +318,19 @@ def test_completions_go_out_unflushed_also_while_the_backlog_is_deep():
         }
     finally:
         worker.close()
+
+
+@pytest.mark.parametrize(
+    ("backlog", "last_op_s", "deep"),
+    [(64, 0.0, True), (63, 0.001, False), (5, 0.1, True), (4, 0.1, False), (0, 10.0, False)],
+)
+def test_the_queue_is_deep_by_count_or_by_the_time_its_work_takes(backlog, last_op_s, deep):
+    """Completions are held longer while the queue is deep: DEEP_BACKLOG operations, or
+    DEEP_QUEUE_S of work at the pace of the last operation completed."""
+    end = WorkerEnd(TOKEN, 1, lambda ops: None, backlog=lambda: backlog)
+    end.completed(OpResult(1, None, None, 10**9, 10**9 + int(last_op_s * 1e9)))
+    with end._cond:
+        assert end._deep() is deep
 
 
 def test_completions_go_out_unflushed_within_the_bound():
