@@ -9,13 +9,14 @@ admission, rollback, sharing and preemption run without processes.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 from controller.channel import ControllerEnd
 from controller.coordination import CoordinationService
 from controller.simcluster import SLICE_NAME_LABEL, WORKER_ID_LABEL
+from slicewise.common.framing import ChannelError
 from slicewise.common.mesh import GangShape
 from slicewise.common.ops import Op, OpResult
 from slicewise.common.trace import Span
@@ -107,7 +108,13 @@ class Channel(Protocol):
     async def drain(self) -> None:
         """Waits until what was written is on its way."""
 
-    async def receive(self) -> list[OpResult]: ...
+    def listen(
+        self,
+        on_results: Callable[[list[OpResult]], None],
+        on_error: Callable[[ChannelError], None],
+    ) -> None:
+        """Hands each frame of completions to `on_results` as it arrives, and the
+        channel's failure to `on_error`, once."""
 
     def close(self) -> None: ...
 

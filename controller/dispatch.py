@@ -3,7 +3,8 @@ worker of the gang, and settles each one when all workers report it complete.
 
 Clients get their answer as soon as an operation is queued (asynchronous dispatch).
 Delivery and completion travel separately: `send` puts a batch on its way to a worker,
-and one reader per worker (`poll`) takes completions as the worker pushes them. So the
+and each worker's completions are handed to the dispatcher as they arrive (`listen`:
+in the callback that read them, with no task to wake per frame). So the
 pipeline to a worker stays full however long its programs run, and the bound on it is
 explicit: at most `max_in_flight` operations numbered but not completed (the
 back-pressure the workers' bounded executors exert). Operations get their sequence
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import time
 from collections import deque
@@ -34,9 +36,10 @@ log = logging.getLogger(__name__)
 Send = Callable[[int, list[Op]], Awaitable[None]]
 # Hands the same batch to every worker (encoded once); returns once it is on its way.
 Broadcast = Callable[[list[Op]], Awaitable[None]]
-# Worker `index`'s next completions, in the order they completed (which need not be
-# sequence order); waits for at least one.
-Poll = Callable[[int], Awaitable[list[OpResult]]]
+# Starts handing worker `index`'s completions to the first callback as they arrive, in
+# the order they completed (which need not be sequence order), and the failure of its
+# channel to the second, once.
+Listen = Callable[[int, Callable[[list[OpResult]], None], Callable[[Exception], None]], None]
 # Told about every settled operation: (op kind, seq, queued_ns, settled_ns, error).
 Observer = Callable[[str, int, int, int, "str | None"], None]
 
@@ -73,7 +76,7 @@ class Dispatcher:
     def __init__(
         self,
         send: Send,
-        poll: Poll,
+        listen: Listen,
         num_workers: int,
         *,
         name: str = "the gang",
@@ -88,7 +91,7 @@ class Dispatcher:
         # For a batch whose operations are the same for every worker (nearly all are):
         # one encoding and no task per worker, the controller's cost per host per call.
         self._broadcast = broadcast
-        self._poll = poll
+        self._listen = listen
         self._num_workers = num_workers
         self._name = name
         self._max_batch = max_batch
@@ -147,7 +150,7 @@ class Dispatcher:
             self._started = True
             self._spawn(self._pump())
             for w in range(self._num_workers):
-                self._spawn(self._collect(w))
+                self._listen(w, functools.partial(self._completed, w), self._lost)
 
     def fail(self, reason: str) -> None:
         """The gang cannot go on (a worker stopped answering, a collective is stuck):
@@ -249,31 +252,30 @@ class Dispatcher:
             self._sending -= 1
             self._wake.set()
 
-    async def _collect(self, worker: int) -> None:
-        while self.broken is None:
-            try:
-                results = await self._poll(worker)
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:  # noqa: BLE001
-                self._break(f"{type(exc).__name__}: {exc}")
-                return
-            for result in results:
-                item = self._in_flight.get(result.seq)
-                if item is None:
-                    continue
-                item.waiting_for.discard(worker)
-                if result.error and item.error is None:
-                    item.error = result.error
-                if result.values is not None:
-                    item.values = result.values
-                if result.finished_ns:
-                    item.ran[worker] = (result.started_ns, result.finished_ns)
-                if not item.waiting_for:
-                    del self._in_flight[result.seq]
-                    self._settle(item, item.error)
-                    self.completed += 1
-            self._number()
+    def _completed(self, worker: int, results: list[OpResult]) -> None:
+        """Worker `worker` completed these operations."""
+        if self.broken is not None:
+            return
+        for result in results:
+            item = self._in_flight.get(result.seq)
+            if item is None:
+                continue
+            item.waiting_for.discard(worker)
+            if result.error and item.error is None:
+                item.error = result.error
+            if result.values is not None:
+                item.values = result.values
+            if result.finished_ns:
+                item.ran[worker] = (result.started_ns, result.finished_ns)
+            if not item.waiting_for:
+                del self._in_flight[result.seq]
+                self._settle(item, item.error)
+                self.completed += 1
+        self._number()
+
+    def _lost(self, exc: Exception) -> None:
+        """A worker's channel failed (the worker died, or the transport broke)."""
+        self._break(f"{type(exc).__name__}: {exc}")
 
     def _settle(self, item: Ticket, error: str | None) -> None:
         if item.done.done():

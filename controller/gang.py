@@ -40,7 +40,7 @@ from controller.options import DEFAULT_OPTIONS, ControllerOptions
 from slicewise.common import capability
 from slicewise.common.errors import InvalidTransitionError, WorkerError
 from slicewise.common.failpoints import failpoint, worker_env
-from slicewise.common.framing import ChannelError, Pieces
+from slicewise.common.framing import Pieces
 from slicewise.common.mesh import GangShape, Index
 from slicewise.common.ops import Op, OpResult
 from slicewise.common.topology import SliceType
@@ -162,7 +162,7 @@ class Gang:
     def _new_dispatcher(self) -> Dispatcher:
         dispatcher = Dispatcher(
             self._send,
-            self._poll,
+            self._listen,
             self.shape.num_processes,
             name=f"gang {self.gang_id}",
             max_in_flight=(
@@ -380,11 +380,13 @@ class Gang:
         for channel in channels:
             await channel.drain()
 
-    async def _poll(self, worker: int) -> list[OpResult]:
-        try:
-            return await self._channels[worker].receive()
-        except ChannelError as exc:
-            raise WorkerError(str(exc)) from exc
+    def _listen(
+        self,
+        worker: int,
+        on_results: Callable[[list[OpResult]], None],
+        on_error: Callable[[Exception], None],
+    ) -> None:
+        self._channels[worker].listen(on_results, lambda exc: on_error(WorkerError(str(exc))))
 
     def describe_process(self, process_id: int) -> str:
         """`host 1 of slice sim-2-v5litepod-16` for a jax.distributed process id."""

@@ -110,11 +110,12 @@ class FakeChannel:
         # Operations of these types stay in flight until `complete_held()`.
         self.hold: tuple[type[Op], ...] = ()
         self._held: list[OpResult] = []
-        self._results: asyncio.Queue[list[OpResult] | Exception] = asyncio.Queue()
+        self._listener: tuple[Any, Any] | None = None
+        self._pending: list[list[OpResult] | ChannelError] = []  # before anyone listened
 
     @property
     def heard_at(self) -> float:
-        """A fake worker always answers (a dead one fails `receive` instead)."""
+        """A fake worker always answers (a dead one fails its channel instead)."""
         return time.monotonic()
 
     async def send(self, ops: list[Op]) -> None:
@@ -125,7 +126,7 @@ class FakeChannel:
         self._held += [OpResult(op.seq) for op in ops if isinstance(op, self.hold)]
         done = [OpResult(op.seq) for op in ops if not isinstance(op, self.hold)]
         if done:
-            self._results.put_nowait(done)
+            self._push(done)
 
     async def drain(self) -> None:
         return None
@@ -133,17 +134,30 @@ class FakeChannel:
     def complete_held(self) -> None:
         """Completes the held operations (see `hold`)."""
         if self._held:
-            self._results.put_nowait(self._held)
+            self._push(self._held)
             self._held = []
 
-    async def receive(self) -> list[OpResult]:
-        item = await self._results.get()
-        if isinstance(item, Exception):
-            raise item
-        return item
+    def listen(self, on_results: Any, on_error: Any) -> None:
+        self._listener = (on_results, on_error)
+        pending, self._pending = self._pending, []
+        for item in pending:
+            self._push(item)
+
+    def _push(self, item: list[OpResult] | ChannelError) -> None:
+        """Hands `item` to the listener in a callback of its own, as a channel does with
+        each frame it reads."""
+        if self._listener is None:
+            self._pending.append(item)
+            return
+        on_results, on_error = self._listener
+        if isinstance(item, ChannelError):
+            self._listener = None
+            asyncio.get_running_loop().call_soon(on_error, item)
+        else:
+            asyncio.get_running_loop().call_soon(on_results, item)
 
     def die(self) -> None:
-        self._results.put_nowait(
+        self._push(
             ChannelError(
                 f"{self.name} closed its control channel (the worker process died or was killed)"
             )

@@ -27,18 +27,21 @@ def delete(seq):
 
 class FakeWorkers:
     """The dispatcher's transport: `send` records batches; each op completes on its
-    worker (in order) unless held back; `poll` waits for the next completions."""
+    worker (in order) unless held back; completions go to the `listen`er in a callback
+    of their own, as a channel hands over each frame it read."""
 
-    def __init__(self, num_workers, *, errors=None, send_raises=None, poll_raises=None, hold=False):
+    def __init__(
+        self, num_workers, *, errors=None, send_raises=None, listen_raises=None, hold=False
+    ):
         self.batches = {w: [] for w in range(num_workers)}
         self.errors = errors or {}  # (worker, seq) -> error message
         self.send_raises = send_raises
-        self.poll_raises = poll_raises
+        self.listen_raises = listen_raises
         self.completed = {w: [] for w in range(num_workers)}
         self.queued = {w: [] for w in range(num_workers)}
         self.hold = hold
         self.cursors = {w: 0 for w in range(num_workers)}
-        self.changed = asyncio.Event()
+        self.listeners = {}
 
     async def send(self, worker, ops):
         await asyncio.sleep(0)
@@ -59,18 +62,26 @@ class FakeWorkers:
                 OpResult(ops[i].seq, self.errors.get((worker, ops[i].seq)))
             )
         del self.queued[worker][:count]
-        self.changed.set()
+        self.changed(worker)
 
-    async def poll(self, worker):
-        while True:
-            if self.poll_raises is not None:
-                raise self.poll_raises
-            ready = self.completed[worker][self.cursors[worker] :]
-            if ready:
-                self.cursors[worker] += len(ready)
-                return ready
-            self.changed.clear()
-            await self.changed.wait()
+    def changed(self, worker):
+        """Hands what `worker` completed since to its listener, in a callback of its own."""
+        asyncio.get_running_loop().call_soon(self._hand_over, worker)
+
+    def listen(self, worker, on_results, on_error):
+        self.listeners[worker] = (on_results, on_error)
+        if self.listen_raises is not None:
+            asyncio.get_running_loop().call_soon(on_error, self.listen_raises)
+        else:
+            self.changed(worker)
+
+    def _hand_over(self, worker):
+        if worker not in self.listeners or self.listen_raises is not None:
+            return
+        ready = self.completed[worker][self.cursors[worker] :]
+        if ready:
+            self.cursors[worker] += len(ready)
+            self.listeners[worker][0](ready)
 
     def seqs(self, worker):
         return [o.seq for batch in self.batches[worker] for o in batch]
@@ -79,7 +90,7 @@ class FakeWorkers:
 def test_seq_numbers_start_at_one_and_each_op_is_built_with_its_own():
     async def scenario():
         workers = FakeWorkers(1)
-        dispatcher = Dispatcher(workers.send, workers.poll, 1)
+        dispatcher = Dispatcher(workers.send, workers.listen, 1)
         submitted = [dispatcher.submit(delete) for _ in range(5)]
         await asyncio.gather(*(t.done for t in submitted))
         await dispatcher.close("done")
@@ -93,7 +104,7 @@ def test_seq_numbers_start_at_one_and_each_op_is_built_with_its_own():
 def test_every_worker_receives_every_op_in_seq_order_in_bounded_batches():
     async def scenario():
         workers = FakeWorkers(3)
-        dispatcher = Dispatcher(workers.send, workers.poll, 3, max_batch=3)
+        dispatcher = Dispatcher(workers.send, workers.listen, 3, max_batch=3)
         dones = [dispatcher.submit(delete).done for _ in range(10)]
         errors = await asyncio.gather(*dones)
         await dispatcher.close("done")
@@ -110,7 +121,7 @@ def test_every_worker_receives_every_op_in_seq_order_in_bounded_batches():
 def test_per_worker_ops_go_to_their_own_worker():
     async def scenario():
         workers = FakeWorkers(2)
-        dispatcher = Dispatcher(workers.send, workers.poll, 2)
+        dispatcher = Dispatcher(workers.send, workers.listen, 2)
         ticket = dispatcher.submit(lambda seq: [DeleteOp(seq, ("a",)), DeleteOp(seq, ("b",))])
         await ticket.done
         await dispatcher.close("done")
@@ -131,7 +142,7 @@ def test_a_batch_the_same_for_every_worker_is_broadcast_once_and_per_worker_ops_
             for w in range(2):
                 await workers.send(w, ops)
 
-        dispatcher = Dispatcher(workers.send, workers.poll, 2, broadcast=broadcast)
+        dispatcher = Dispatcher(workers.send, workers.listen, 2, broadcast=broadcast)
         await dispatcher.submit(delete).done
         await dispatcher.submit(lambda seq: [DeleteOp(seq, ("a",)), DeleteOp(seq, ("b",))]).done
         await dispatcher.close("done")
@@ -147,7 +158,7 @@ def test_a_batch_the_same_for_every_worker_is_broadcast_once_and_per_worker_ops_
 def test_an_op_settles_only_when_every_worker_reported_it():
     async def scenario():
         workers = FakeWorkers(2, hold=True)
-        dispatcher = Dispatcher(workers.send, workers.poll, 2)
+        dispatcher = Dispatcher(workers.send, workers.listen, 2)
         done = dispatcher.submit(delete).done
         await until(lambda: workers.queued[0] and workers.queued[1])
         workers.finish(0)
@@ -169,7 +180,7 @@ def test_each_ops_settled_hook_hears_its_outcome_before_anyone_awaiting_it_runs(
 
     async def scenario():
         workers = FakeWorkers(2, errors={(0, 2): "boom"})
-        dispatcher = Dispatcher(workers.send, workers.poll, 2)
+        dispatcher = Dispatcher(workers.send, workers.listen, 2)
         heard = []
         tickets = [dispatcher.submit(delete) for _ in range(3)]
 
@@ -200,7 +211,7 @@ def test_each_ops_settled_hook_hears_its_outcome_before_anyone_awaiting_it_runs(
 def test_in_flight_operations_are_bounded_and_the_rest_follow_as_they_complete():
     async def scenario():
         workers = FakeWorkers(2, hold=True)
-        dispatcher = Dispatcher(workers.send, workers.poll, 2, max_batch=2, max_in_flight=4)
+        dispatcher = Dispatcher(workers.send, workers.listen, 2, max_batch=2, max_in_flight=4)
         dones = [dispatcher.submit(delete).done for _ in range(11)]
         await until(lambda: len(workers.queued[0]) == 4 and len(workers.queued[1]) == 4)
         await asyncio.sleep(0.01)
@@ -222,7 +233,7 @@ def test_in_flight_operations_are_bounded_and_the_rest_follow_as_they_complete()
 def test_a_worker_error_fails_that_op_only():
     async def scenario():
         workers = FakeWorkers(2, errors={(1, 2): "boom on worker 1"})
-        dispatcher = Dispatcher(workers.send, workers.poll, 2)
+        dispatcher = Dispatcher(workers.send, workers.listen, 2)
         dones = [dispatcher.submit(delete).done for _ in range(3)]
         results = await asyncio.gather(*dones)
         await dispatcher.close("done")
@@ -233,7 +244,7 @@ def test_a_worker_error_fails_that_op_only():
     assert broken == "done"
 
 
-@pytest.mark.parametrize("where", ["send", "poll"])
+@pytest.mark.parametrize("where", ["send", "listen"])
 def test_a_broken_transport_fails_everything_and_refuses_more(where):
     broken_calls = []
 
@@ -242,7 +253,7 @@ def test_a_broken_transport_fails_everything_and_refuses_more(where):
         workers = FakeWorkers(2, hold=True, **{f"{where}_raises": error})
         dispatcher = Dispatcher(
             workers.send,
-            workers.poll,
+            workers.listen,
             2,
             name="gang g7",
             max_in_flight=2,
@@ -268,7 +279,7 @@ def test_close_fails_pending_work_without_calling_it_broken():
     async def scenario():
         workers = FakeWorkers(1, hold=True)
         dispatcher = Dispatcher(
-            workers.send, workers.poll, 1, max_in_flight=1, on_broken=broken_calls.append
+            workers.send, workers.listen, 1, max_in_flight=1, on_broken=broken_calls.append
         )
         dones = [dispatcher.submit(delete).done for _ in range(3)]
         await until(lambda: workers.queued[0])
@@ -285,7 +296,7 @@ def test_observer_hears_every_settled_op_with_its_kind_and_timing():
     async def scenario():
         workers = FakeWorkers(1, errors={(0, 2): "bad"})
         dispatcher = Dispatcher(
-            workers.send, workers.poll, 1, observer=lambda *args: seen.append(args)
+            workers.send, workers.listen, 1, observer=lambda *args: seen.append(args)
         )
         await asyncio.gather(*(dispatcher.submit(delete).done for _ in range(2)))
         await dispatcher.close("done")
@@ -304,7 +315,7 @@ def test_completions_out_of_sequence_order_are_all_counted():
 
     async def scenario():
         workers = FakeWorkers(2, hold=True)
-        dispatcher = Dispatcher(workers.send, workers.poll, 2)
+        dispatcher = Dispatcher(workers.send, workers.listen, 2)
         dones = [dispatcher.submit(delete).done for _ in range(3)]
         await until(lambda: len(workers.queued[0]) == 3 and len(workers.queued[1]) == 3)
         workers.finish(0, order=[2, 0, 1])
@@ -321,7 +332,7 @@ def test_completions_out_of_sequence_order_are_all_counted():
 def test_ops_beyond_the_in_flight_bound_wait_unnumbered_and_follow_in_order():
     async def scenario():
         workers = FakeWorkers(1, hold=True)
-        dispatcher = Dispatcher(workers.send, workers.poll, 1, max_in_flight=2)
+        dispatcher = Dispatcher(workers.send, workers.listen, 1, max_in_flight=2)
         tickets = [dispatcher.submit(delete) for _ in range(5)]
         numbered_at_once = [t.seq for t in tickets]
         while not all(t.done.done() for t in tickets):
@@ -338,7 +349,7 @@ def test_ops_beyond_the_in_flight_bound_wait_unnumbered_and_follow_in_order():
 def test_clients_of_a_shared_gang_are_interleaved_by_weight():
     async def scenario():
         workers = FakeWorkers(1, hold=True)
-        dispatcher = Dispatcher(workers.send, workers.poll, 1, max_in_flight=1)
+        dispatcher = Dispatcher(workers.send, workers.listen, 1, max_in_flight=1)
         dispatcher.set_weight("a", 1.0)
         dispatcher.set_weight("b", 2.0)
         order = []
@@ -363,7 +374,7 @@ def test_clients_of_a_shared_gang_are_interleaved_by_weight():
 def test_an_op_waits_until_what_it_needs_is_numbered():
     async def scenario():
         workers = FakeWorkers(1)
-        dispatcher = Dispatcher(workers.send, workers.poll, 1)
+        dispatcher = Dispatcher(workers.send, workers.listen, 1)
         gate = {"open": False}
         held = dispatcher.submit(delete, client="b", ready=lambda: gate["open"])
         free = dispatcher.submit(delete, client="a")
@@ -382,7 +393,7 @@ def test_an_op_waits_until_what_it_needs_is_numbered():
 def test_a_build_that_fails_still_uses_its_seq_and_reports_the_error():
     async def scenario():
         workers = FakeWorkers(1)
-        dispatcher = Dispatcher(workers.send, workers.poll, 1)
+        dispatcher = Dispatcher(workers.send, workers.listen, 1)
 
         def broken(seq):
             raise ValueError("cannot build")
@@ -401,12 +412,12 @@ def test_a_build_that_fails_still_uses_its_seq_and_reports_the_error():
 def test_each_workers_report_of_when_it_ran_an_op_lands_on_the_ticket():
     async def scenario():
         workers = FakeWorkers(2, hold=True)
-        dispatcher = Dispatcher(workers.send, workers.poll, 2)
+        dispatcher = Dispatcher(workers.send, workers.listen, 2)
         ticket = dispatcher.submit(delete)
         await until(lambda: workers.queued[0] and workers.queued[1])
         for worker, (started, finished) in enumerate([(10, 30), (5, 45)]):
             workers.completed[worker].append(OpResult(ticket.seq, None, None, started, finished))
-        workers.changed.set()
+            workers.changed(worker)
         await ticket.done
         await dispatcher.close("done")
         return ticket
