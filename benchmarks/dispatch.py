@@ -27,7 +27,8 @@ and at OpByOp's pace), how busy the cores were and what ratio the CPU per call a
 allows, the same for both sides at each length of the sweep (and so how much CPU a call
 may cost beyond the workers' own loop to break even at the paper's 2.3 ms), and the
 controller's CPU per call on gangs of 1, 2, 4 and 8 hosts, extrapolated to a
-12,800-host gang.
+12,800-host gang, and what one wake-up of a process costs here by how it waits (each
+frame of completions wakes the controller: benchmarks/wakeups.py).
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ from typing import Any
 
 import numpy as np
 
+from benchmarks import wakeups
 from benchmarks.common import (
     CpuMeter,
     ThreadCpuMeter,
@@ -293,6 +295,9 @@ def run(quick: bool = False) -> dict[str, Any]:
             )
         gang.release()
 
+    # What a wake-up costs a process here, by how it waits: the floor under the
+    # controller's CPU per frame of completions (benchmarks/wakeups.py).
+    out["wakeup_cpu_us"] = wakeups.run(count=50 if quick else wakeups.MESSAGES)
     round_ratios = {name: _round_ratios(rates, *pair) for name, pair in RATIOS.items()}
     out["shapes"] = {name: _summary(rates[name]) for name in SHAPES}
     out["baselines"] = {name: _summary(rates[name]) for name in rates if name not in SHAPES}
@@ -636,6 +641,9 @@ def report(result: dict[str, Any]) -> str:
             "workers at their own loop's CPU (client and controller as measured); 2x plain "
             f"Ray needs {bound['opbyop_needed_for_2x_plain_ray']:.2f}"
         )
+    wakeup = result.get("wakeup_cpu_us")
+    if wakeup:
+        lines.append(wakeups.report(wakeup))
     by_thread = result.get("worker_cpu_per_call_us_by_thread")
     if by_thread:
         for run, label in (

@@ -7,6 +7,7 @@ import threading
 
 import pytest
 
+from benchmarks import wakeups
 from benchmarks.common import CpuMeter, ThreadCpuMeter, cpu_seconds, thread_cpu_seconds
 from benchmarks.dispatch import (
     NATIVE,
@@ -156,3 +157,19 @@ def test_the_break_even_by_cpu_is_read_off_the_sweep_at_the_papers_length():
         {"client": 50.0, "controller": 150.0, "workers": 300.0}
     )
     assert break_even_from_cpu([{"length_ms": 1.0, "ratio": 0.5}], 2.0) is None
+
+
+def test_every_way_of_waking_is_measured_in_a_process_of_its_own_and_reported():
+    result = wakeups.run(periods=(0.001,), count=5)
+    assert list(result) == list(wakeups.WAYS)
+    assert all(set(by_period) == {"1"} for by_period in result.values())
+    # Each receiver used some CPU for its five messages (the figures vary by machine).
+    assert all(us > 0 for by_period in result.values() for us in by_period.values())
+    line = wakeups.report(result)
+    assert line.startswith("CPU per wake-up for a message after a sleep of 1 ms: ")
+    assert all(way in line for way in wakeups.WAYS)
+
+
+def test_an_unknown_way_of_waking_is_refused():
+    with pytest.raises(ValueError, match="unknown way 'poll'"):
+        wakeups.measure("poll", 0.001, count=1)
