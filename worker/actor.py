@@ -55,8 +55,10 @@ class HostWorker:
             self.runtime.apply,
             window=window,
             on_failure=self.runtime.on_failure,
-            on_done=self._on_done,
-            on_idle=self._flush,
+            # Module functions, not methods: Ray wraps every method of an actor class (to
+            # resume traces), a frame and a check on each of the executor's per-op calls.
+            on_done=functools.partial(_report_done, self),
+            on_idle=functools.partial(_flush, self),
         )
         self._started = time.time()
         import ray
@@ -70,30 +72,6 @@ class HostWorker:
             self._control,
             on_drop=self.runtime.drop_staged,
         )
-
-    def _on_done(self, op: Op, launched_ns: int, finished_ns: int, result: OpResult) -> None:
-        # The span is the interval the completion reports (what step times are made of).
-        # Programs get a row of their own: their spans follow each other on the devices,
-        # while the executor thread meanwhile applies the operations queued behind them.
-        describe = functools.partial(
-            self._describe, op, launched_ns, result.started_ns, result.error
-        )
-        if isinstance(op, (ExecOp, DeleteOp)):
-            # The operations of every call: described only if somebody reads the timeline
-            # (they hold a few names; a LoadOp holds a program, kept for no span).
-            self.spans.record_later(result.started_ns // 1000, finished_ns // 1000, describe)
-        else:
-            name, category, thread, args = describe()
-            self.spans.record(
-                name,
-                category,
-                result.started_ns // 1000,
-                finished_ns // 1000,
-                thread=thread,
-                **args,
-            )
-        assert self._channel is not None  # operations only come through it
-        self._channel.completed(result)
 
     def _describe(
         self, op: Op, launched_ns: int, started_ns: int, error: str | None
@@ -127,10 +105,6 @@ class HostWorker:
             "stalled_s": progress.stalled_s,
             "compiling": self.runtime.compiling,
         }
-
-    def _flush(self) -> None:
-        if self._channel is not None:
-            self._channel.flush()
 
     def _control(self, conn: socket.socket, hello: dict[str, Any], reply: Any) -> None:
         if self._channel is None:
@@ -268,3 +242,35 @@ class HostWorker:
             "uptime_s": time.time() - self._started,
             "control": dict(self._channel.counts) if self._channel is not None else {},
         }
+
+
+def _report_done(
+    worker: HostWorker, op: Op, launched_ns: int, finished_ns: int, result: OpResult
+) -> None:
+    """The executor's `on_done`: the span, and the completion for the controller."""
+    # The span is the interval the completion reports (what step times are made of).
+    # Programs get a row of their own: their spans follow each other on the devices,
+    # while the executor thread meanwhile applies the operations queued behind them.
+    describe = functools.partial(worker._describe, op, launched_ns, result.started_ns, result.error)
+    if isinstance(op, (ExecOp, DeleteOp)):
+        # The operations of every call: described only if somebody reads the timeline
+        # (they hold a few names; a LoadOp holds a program, kept for no span).
+        worker.spans.record_later(result.started_ns // 1000, finished_ns // 1000, describe)
+    else:
+        name, category, thread, args = describe()
+        worker.spans.record(
+            name,
+            category,
+            result.started_ns // 1000,
+            finished_ns // 1000,
+            thread=thread,
+            **args,
+        )
+    assert worker._channel is not None  # operations only come through it
+    worker._channel.completed(result)
+
+
+def _flush(worker: HostWorker) -> None:
+    """The executor's `on_idle`: what completed goes to the controller now."""
+    if worker._channel is not None:
+        worker._channel.flush()

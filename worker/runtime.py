@@ -486,8 +486,6 @@ class JaxRuntime:
         )
 
     def _execute(self, op: ExecOp) -> _Outputs:
-        import jax
-
         program = self._programs.get(op.program_id)
         if program is None:
             raise RuntimeError(f"program {op.program_id[:12]} was never loaded on this worker")
@@ -495,6 +493,8 @@ class JaxRuntime:
         if program.called:
             outputs = self._call(program, args)
         else:
+            import jax
+
             try:
                 with self._setting_up(program.name):
                     cache = os.environ.get(executables.ENV_VAR, "")
