@@ -117,7 +117,9 @@ class WorkerEnd:
         self._done: list[OpResult] = []
         self._first_done = 0.0  # time.monotonic() when the oldest of `_done` was queued
         self._last_op_ns = 0  # how long the last operation completed took to run
-        self._cond = threading.Condition()
+        # `completed` takes the lock itself: `with` on a Condition is two calls in Python.
+        self._lock = threading.Lock()
+        self._cond = threading.Condition(self._lock)
         self._conn: socket.socket | None = None
         self._send_lock = threading.Lock()
         # Frames and what they carried, each way: how well calls and completions batch.
@@ -126,7 +128,7 @@ class WorkerEnd:
     def completed(self, result: OpResult) -> None:
         """Queues a completion for the controller; it goes out on the next `flush`, at
         once when many are waiting, and at the latest FLUSH_AFTER_S from now."""
-        with self._cond:
+        with self._lock:
             self._done.append(result)
             self._last_op_ns = result.finished_ns - result.started_ns
             if len(self._done) == 1:

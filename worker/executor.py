@@ -186,7 +186,9 @@ class InOrderExecutor:
         self._in_flight: deque[_Flight] = deque()
         self._to_watch: queue.SimpleQueue[_Flight | None] = queue.SimpleQueue()
         self._watched = threading.Condition(threading.Lock())  # a flight's `done` set
-        self._cond = threading.Condition()
+        # The hot paths take the lock itself: `with` on a Condition is two calls in Python.
+        self._lock = threading.Lock()
+        self._cond = threading.Condition(self._lock)
         self._stopped = False
         self._max_in_flight = 0
         self._held = 0  # submitted and not completed (see backlog), changed under _cond
@@ -289,7 +291,7 @@ class InOrderExecutor:
 
     def _loop(self) -> None:
         while True:
-            with self._cond:
+            with self._lock:
                 while self._idle():
                     # Not under the lock: it may send (the channel's flush), and the
                     # receiver must be able to queue meanwhile.
@@ -428,7 +430,7 @@ class InOrderExecutor:
             self._on_failure(op, message)
         result = OpResult(op.seq, message, values, started_ns, finished_ns)
         self._progress_ns = self._clock()
-        with self._cond:
+        with self._lock:
             self._held -= 1
         if self._on_done is not None:
             self._on_done(op, launched_ns, finished_ns, result)

@@ -9,6 +9,7 @@ import os
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -61,6 +62,15 @@ class _Program:
     num_outputs: int
     called: bool = False  # the first call compiles
     compiled: Any = None  # its executable, when compiled ahead (worker/executables.py)
+    # Whether it takes its arrays as plain positional arguments (no pytree to rebuild),
+    # and how its result becomes the list of its output arrays.
+    flat_in: bool = False
+    leaves: Callable[[Any], list[Any]] = list
+
+
+def _one(output: Any) -> list[Any]:
+    """The output list of a program whose result is a single array."""
+    return [output]
 
 
 class _Outputs:
@@ -476,13 +486,24 @@ class JaxRuntime:
             return
         exported = export.deserialize(bytearray(op.serialized))
         mesh = self.mesh(op.mesh)
+        num_in, num_out = len(exported.in_avals), len(exported.out_avals)
+        in_tree: Any = exported.in_tree
+        out_tree: Any = exported.out_tree
+        if out_tree == jax.tree.structure((0,) * num_out):
+            leaves: Callable[[Any], list[Any]] = list  # a tuple of arrays
+        elif num_out == 1 and out_tree == jax.tree.structure(0):
+            leaves = _one
+        else:
+            leaves = jax.tree.leaves
         self._programs[op.program_id] = _Program(
             name=op.name or exported.fun_name,
             exported=exported,
             mesh=mesh,
             call=jax.jit(exported.call),
             in_shardings=tuple(exported.in_shardings_jax(mesh)),
-            num_outputs=len(exported.out_avals),
+            num_outputs=num_out,
+            flat_in=in_tree == jax.tree.structure(((0,) * num_in, {})),
+            leaves=leaves,
         )
 
     def _execute(self, op: ExecOp) -> _Outputs:
@@ -561,30 +582,35 @@ class JaxRuntime:
     def _conform(program: _Program, arrays: list[Any]) -> list[Any]:
         """The arrays laid out as the program takes them (moved where they are not);
         `arrays` itself when all of them are already."""
-        import jax
-
-        args = []
-        for arg, want in zip(arrays, program.in_shardings, strict=True):
+        args = arrays
+        for i, (arg, want) in enumerate(zip(arrays, program.in_shardings, strict=True)):
+            if want is None:
+                continue
             # An equal sharding (a program's outputs fed back to it, the usual case) is
             # told by `==`: `is_equivalent_to` builds both shardings' HLO form, about
             # 10 us per call, a thirtieth of a short program's launch.
-            have = arg.sharding if want is not None else None
-            if have is not None and have != want and not have.is_equivalent_to(want, arg.ndim):
-                arg = jax.device_put(arg, want)
-            args.append(arg)
-        return arrays if all(a is b for a, b in zip(args, arrays, strict=True)) else args
+            have = arg.sharding
+            if have != want and not have.is_equivalent_to(want, arg.ndim):
+                import jax
+
+                if args is arrays:
+                    args = list(arrays)
+                args[i] = jax.device_put(arg, want)
+        return args
 
     @staticmethod
     def _call(program: _Program, args: list[Any]) -> list[Any]:
+        if program.compiled is not None and program.flat_in:  # the usual case, as is
+            return program.leaves(program.compiled(*args))
         import jax
 
         # The artifact was traced with pytree arguments; rebuild them from the flat list.
         tree_args, tree_kwargs = jax.tree.unflatten(program.exported.in_tree, args)
         if program.compiled is not None:
-            return jax.tree.leaves(program.compiled(*tree_args, **tree_kwargs))
+            return program.leaves(program.compiled(*tree_args, **tree_kwargs))
         # The mesh context gives the devices to programs that take no array arguments.
         with jax.set_mesh(program.mesh):
-            return jax.tree.leaves(program.call(*tree_args, **tree_kwargs))
+            return program.leaves(program.call(*tree_args, **tree_kwargs))
 
     def run_loop(
         self, program_id: str, handles: list[str], n: int, window: int, pace_s: float = 0.0

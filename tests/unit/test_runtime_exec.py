@@ -75,3 +75,40 @@ def test_an_input_is_moved_only_when_its_layout_is_not_the_programs(runtime):
     runtime.buffers.put("r", replicated)
     runtime.apply(ExecOp(2, "p", ("r",), ("y",))).wait()
     np.testing.assert_array_equal(np.asarray(runtime.buffers.get("y")), np.arange(8) + 1.0)
+
+
+def split_aval():
+    return jax.ShapeDtypeStruct(
+        (8,), jnp.float32, sharding=NamedSharding(MESH.abstract(), PartitionSpec(("slice", "chip")))
+    )
+
+
+@pytest.mark.parametrize("ahead", [False, True], ids=["jit", "compiled-ahead"])
+@pytest.mark.parametrize(
+    "fn, args, flat_in, want",
+    [
+        (lambda a: a + 1, lambda a: (a,), True, lambda x: [x + 1]),
+        (lambda a: (a, a * 2), lambda a: (a,), True, lambda x: [x, x * 2]),
+        # Leaves of a dict come in key order: "d" before "s".
+        (lambda a: {"s": a * 3, "d": a - 1}, lambda a: (a,), True, lambda x: [x - 1, x * 3]),
+        (lambda p: p["w"] * 2, lambda a: ({"w": a},), False, lambda x: [x * 2]),
+    ],
+    ids=["one-array", "tuple", "dict-out", "dict-in"],
+)
+def test_programs_of_any_argument_and_result_tree_give_their_outputs_in_order(
+    runtime, monkeypatch, tmp_path, ahead, fn, args, flat_in, want
+):
+    if ahead:  # the first call compiles the executable ahead, through the cache
+        monkeypatch.setenv("JAX_COMPILATION_CACHE_DIR", str(tmp_path))
+    else:
+        monkeypatch.delenv("JAX_COMPILATION_CACHE_DIR", raising=False)
+    blob = bytes(jax.export.export(jax.jit(fn), platforms=["cpu"])(*args(split_aval())).serialize())
+    runtime.apply(LoadOp(1, "p", blob, MESH, "tree"))
+    assert runtime._programs["p"].flat_in is flat_in
+    for seq, out in ((2, "y"), (3, "z")):  # the first call, then the usual path
+        wanted = want(np.arange(8, dtype=np.float32))
+        handles = tuple(f"{out}{i}" for i in range(len(wanted)))
+        runtime.apply(ExecOp(seq, "p", ("x",), handles)).wait()
+        for handle, value in zip(handles, wanted, strict=True):
+            np.testing.assert_array_equal(np.asarray(runtime.buffers.get(handle)), value)
+    assert (runtime._programs["p"].compiled is not None) is ahead
