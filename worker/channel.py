@@ -60,16 +60,19 @@ FLUSH_AT = 64
 # only when the controller hears of a completion, never what it reports.
 FLUSH_AFTER_S = 0.005
 # ... and while the queue on this worker is deep: at least DEEP_BACKLOG operations, or
-# work for DEEP_QUEUE_S or more at the pace of the last operation. Then hearing later
+# at least LONG_BACKLOG with work for DEEP_QUEUE_S or more at the pace of the last
+# operation (a job's runner keeps ControllerOptions.steps_ahead, 4, steps queued beyond
+# the one it reads: fewer than LONG_BACKLOG, so it hears of each step within
+# FLUSH_AFTER_S however long its steps are). Then hearing later
 # starves no one (the controller refills its window long before the queue runs dry, and
 # a worker that runs dry flushes at once), and a client's stream of calls costs a frame
 # per ~100 ms instead of one per call or two. Each frame wakes the controller's event
 # loop, which on the 2-core simulation costs 150-350 us of CPU after a sleep (asyncio's
 # own path; a bare blocking read costs 25 us): at 3-ms calls the controller's CPU per
 # call went from 262 to 200 us with this bound at 0.1 s instead of 0.02 s, and at 9-ms
-# calls from 525 to 300 us. A job's runner keeps only a few steps queued, so its
-# completions keep the short bound unless its steps are very long.
+# calls from 525 to 300 us.
 DEEP_BACKLOG = 64
+LONG_BACKLOG = 8
 DEEP_QUEUE_S = 0.5
 FLUSH_AFTER_DEEP_S = 0.1
 
@@ -242,7 +245,9 @@ class WorkerEnd:
         """Whether the queue here is deep enough to hold completions longer (see
         FLUSH_AFTER_DEEP_S); under `_cond`."""
         backlog = self._backlog()
-        return backlog >= DEEP_BACKLOG or backlog * self._last_op_ns >= DEEP_QUEUE_S * 1e9
+        return backlog >= DEEP_BACKLOG or (
+            backlog >= LONG_BACKLOG and backlog * self._last_op_ns >= DEEP_QUEUE_S * 1e9
+        )
 
     def _send_batch(self, conn: socket.socket, batch: list[OpResult]) -> bool:
         """Sends one frame of completions; False (and the connection shut) if it failed.

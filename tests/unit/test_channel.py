@@ -322,11 +322,18 @@ def test_completions_go_out_unflushed_also_while_the_backlog_is_deep():
 
 @pytest.mark.parametrize(
     ("backlog", "last_op_s", "deep"),
-    [(64, 0.0, True), (63, 0.001, False), (5, 0.1, True), (4, 0.1, False), (0, 10.0, False)],
+    [
+        (64, 0.0, True),
+        (63, 0.001, False),
+        (8, 0.0625, True),
+        (8, 0.06, False),
+        (5, 0.2, False),  # a job's runner: 4 steps ahead of the one it reads, however long
+        (0, 10.0, False),
+    ],
 )
 def test_the_queue_is_deep_by_count_or_by_the_time_its_work_takes(backlog, last_op_s, deep):
     """Completions are held longer while the queue is deep: DEEP_BACKLOG operations, or
-    DEEP_QUEUE_S of work at the pace of the last operation completed."""
+    LONG_BACKLOG with DEEP_QUEUE_S of work at the pace of the last operation completed."""
     end = WorkerEnd(TOKEN, 1, lambda ops: None, backlog=lambda: backlog)
     end.completed(OpResult(1, None, None, 10**9, 10**9 + int(last_op_s * 1e9)))
     with end._cond:
