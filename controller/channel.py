@@ -45,8 +45,9 @@ class ControllerEnd(asyncio.Protocol):
     A protocol rather than a stream reader: each frame is parsed and its completions
     handed on in the callback that read its bytes. Through a StreamReader every frame
     also cost a wake-up of the reading task, a second turn of the event loop; on the
-    2-core simulation an asyncio wake-up after a sleep costs 150-350 us of CPU through
-    streams and 120-260 us through a protocol (`bench dispatch` prints them).
+    2-core simulation an asyncio wake-up after a sleep costs about 120-400 us of CPU
+    through a stream reader and 100-290 us through a protocol (`bench dispatch` prints
+    them: benchmarks/wakeups.py).
     """
 
     def __init__(self, name: str) -> None:
@@ -117,6 +118,9 @@ class ControllerEnd(asyncio.Protocol):
         self._listener = (on_results, on_error)
         while self._inbox and self._listener is not None:
             self._deliver(self._inbox.popleft())
+        if self._failed is not None and self._listener is not None:  # failed, and told
+            self._listener = None  # to someone else before (or closed): told again
+            asyncio.get_running_loop().call_soon(on_error, self._failed)
 
     async def receive(self) -> list[OpResult]:
         """The next completions, in the order they completed (not sequence order: an
@@ -164,7 +168,7 @@ class ControllerEnd(asyncio.Protocol):
                 length = frame_length(buffer[used : used + LENGTH.size])
                 if len(buffer) - used - LENGTH.size < length:
                     break
-                body = bytes(buffer[used + LENGTH.size : used + LENGTH.size + length])
+                body = buffer[used + LENGTH.size : used + LENGTH.size + length]
                 used += LENGTH.size + length
                 self._message(body)
         except ChannelError as exc:
@@ -190,7 +194,7 @@ class ControllerEnd(asyncio.Protocol):
         if paused is not None and not paused.done():
             paused.set_result(None)
 
-    def _message(self, body: bytes) -> None:
+    def _message(self, body: bytearray) -> None:
         """Handles one frame's body.
 
         Raises:

@@ -241,6 +241,29 @@ def test_a_listener_hears_once_that_the_worker_went_away():
     assert "host 1 of slice s closed its control channel" in str(listener.errors[0])
 
 
+def test_a_listener_on_a_channel_that_failed_before_hears_so():
+    w = Worker()
+
+    async def scenario():
+        channel = await ControllerEnd.connect(w.server.address, TOKEN, 1, "host 0")
+        first = Listener(channel)
+        with w.end._cond:
+            conn = w.end._conn
+        conn.shutdown(socket.SHUT_RDWR)
+        await first.until(lambda: first.errors)
+        second = Listener(channel)
+        await second.until(lambda: second.errors)
+        channel.close()
+        return first, second
+
+    try:
+        first, second = run(scenario())
+    finally:
+        w.close()
+    assert [str(e) for e in second.errors] == [str(e) for e in first.errors]
+    assert "host 0 closed its control channel" in str(second.errors[0])
+
+
 def test_a_listener_hears_of_a_refused_batch(worker):
     async def scenario():
         refused = await ControllerEnd.connect(worker.server.address, TOKEN, 1, "host 0")
