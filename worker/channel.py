@@ -63,14 +63,14 @@ FLUSH_AFTER_S = 0.005
 # at least LONG_BACKLOG with work for DEEP_QUEUE_S or more at the pace of the last
 # operation (a job's runner keeps ControllerOptions.steps_ahead, 4, steps queued beyond
 # the one it reads: fewer than LONG_BACKLOG, so it hears of each step within
-# FLUSH_AFTER_S however long its steps are). Then hearing later
-# starves no one (the controller refills its window long before the queue runs dry, and
-# a worker that runs dry flushes at once), and a client's stream of calls costs a frame
-# per ~100 ms instead of one per call or two. Each frame wakes the controller's event
-# loop, which on the 2-core simulation costs 150-350 us of CPU after a sleep (asyncio's
-# own path; a bare blocking read costs 25 us): at 3-ms calls the controller's CPU per
-# call went from 262 to 200 us with this bound at 0.1 s instead of 0.02 s, and at 9-ms
-# calls from 525 to 300 us.
+# FLUSH_AFTER_S however long its steps are). Then hearing later starves no one (the
+# controller refills its window long before the queue runs dry, and a worker that runs
+# dry flushes at once), and a client's stream of calls costs a frame per ~100 ms instead
+# of one per call or two. Each frame wakes the controller's event loop, which on the
+# 2-core simulation costs 100-300 us of CPU after a sleep (asyncio's own path; a
+# blocking recv costs 20-70 us; benchmarks/wakeups.py): at 3-ms calls the controller's
+# CPU per call went from 262 to 200 us with this bound at 0.1 s instead of 0.02 s, and
+# at 9-ms calls from 525 to 300 us.
 DEEP_BACKLOG = 64
 LONG_BACKLOG = 8
 DEEP_QUEUE_S = 0.5
