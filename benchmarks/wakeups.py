@@ -22,7 +22,6 @@ import socket
 import subprocess
 import sys
 import time
-from typing import Any
 
 WAYS = ("blocking recv", "epoll", "asyncio protocol", "asyncio stream")
 PERIODS_S = (0.002, 0.01)
@@ -115,7 +114,9 @@ def measure(way: str, period_s: float, count: int = MESSAGES) -> float:
     return 1e6 * used / count
 
 
-def run(periods: tuple[float, ...] = PERIODS_S, count: int = MESSAGES) -> dict[str, Any]:
+def run(
+    periods: tuple[float, ...] = PERIODS_S, count: int = MESSAGES
+) -> dict[str, dict[str, float]]:
     """`{way: {period in ms: us of CPU per wake-up}}`, each measured in a fresh process
     (a benchmark's own process has threads, which a fork must not copy)."""
     results: dict[str, dict[str, float]] = {way: {} for way in WAYS}
