@@ -14,6 +14,9 @@ class Failed:
     error: str
 
 
+_MISSING = object()
+
+
 class UnknownHandleError(KeyError):
     """The controller referred to a handle this worker does not hold."""
 
@@ -48,14 +51,28 @@ class BufferTable:
             UnknownHandleError: the handle is not here.
             RuntimeError: the array's producing operation failed.
         """
+        return self.get_all((handle,))[0]
+
+    def get_all(self, handles: tuple[str, ...]) -> list[Any]:
+        """The arrays for `handles`, in order (one look-up for an operation's inputs);
+        raises as `get` does."""
+        values = []
         with self._lock:
-            try:
-                value = self._arrays[handle]
-            except KeyError:
-                raise UnknownHandleError(f"array {handle} is not on this worker") from None
-        if isinstance(value, Failed):
-            raise RuntimeError(f"array {handle} is unavailable: {value.error}")
-        return value
+            for h in handles:
+                value = self._arrays.get(h, _MISSING)
+                if value is _MISSING:
+                    raise UnknownHandleError(f"array {h} is not on this worker")
+                if isinstance(value, Failed):
+                    raise RuntimeError(f"array {h} is unavailable: {value.error}")
+                values.append(value)
+        return values
+
+    def put_all(self, handles: tuple[str, ...], arrays: list[Any]) -> None:
+        """Stores each array under its handle; all or, if their numbers differ, none."""
+        if len(handles) != len(arrays):
+            raise ValueError(f"{len(handles)} handles for {len(arrays)} arrays")
+        with self._lock:
+            self._arrays.update(zip(handles, arrays, strict=True))
 
     def delete(self, handles: tuple[str, ...]) -> int:
         with self._lock:

@@ -66,6 +66,11 @@ class _Program:
     # and how its result becomes the list of its output arrays.
     flat_in: bool = False
     leaves: Callable[[Any], list[Any]] = list
+    # Once compiled ahead and when it takes its arrays as plain positional arguments:
+    # the executable, called with the argument list as it is (the usual case), and
+    # whether its result is one array (made the output list here, with no call).
+    direct: Any = None
+    single: bool = False
 
 
 def _one(output: Any) -> list[Any]:
@@ -76,6 +81,8 @@ def _one(output: Any) -> list[Any]:
 class _Outputs:
     """Pending device work: the outputs of one launched program, and the ones whose
     values go back with the completion."""
+
+    __slots__ = ("_arrays", "_report")
 
     def __init__(self, arrays: list[Any], report: list[Any]) -> None:
         self._arrays = arrays
@@ -510,8 +517,11 @@ class JaxRuntime:
         program = self._programs.get(op.program_id)
         if program is None:
             raise RuntimeError(f"program {op.program_id[:12]} was never loaded on this worker")
-        args = self._conform(program, [self.buffers.get(h) for h in op.inputs])
-        if program.called:
+        args = self._conform(program, self.buffers.get_all(op.inputs))
+        direct = program.direct
+        if direct is not None:  # the usual case: `_call`, spelled out (per operation)
+            outputs = [direct(*args)] if program.single else program.leaves(direct(*args))
+        elif program.called:
             outputs = self._call(program, args)
         else:
             import jax
@@ -527,6 +537,9 @@ class JaxRuntime:
                         program.compiled = executables.compile_cached(
                             program.call, tree_args, tree_kwargs, program.mesh, path
                         )
+                        if program.flat_in:
+                            program.direct = program.compiled
+                            program.single = program.leaves is _one
                     outputs = self._call(program, args)
                     # Compiling loaded XLA's compiler for good (slicewise/common/heap.py).
                     heap.settle("the first program compiled")
@@ -538,9 +551,8 @@ class JaxRuntime:
             raise RuntimeError(
                 f"program returned {len(outputs)} arrays, controller expected {len(op.outputs)}"
             )
-        for handle, array in zip(op.outputs, outputs, strict=True):
-            self.buffers.put(handle, array)
-        report = [outputs[i] for i in op.report] if self.process_id == 0 else []
+        self.buffers.put_all(op.outputs, outputs)
+        report = [outputs[i] for i in op.report] if op.report and self.process_id == 0 else []
         return _Outputs(outputs, report)
 
     def _repeat(self, program: _Program, runs: int, first: list[Any]) -> list[Any]:
@@ -600,8 +612,9 @@ class JaxRuntime:
 
     @staticmethod
     def _call(program: _Program, args: list[Any]) -> list[Any]:
-        if program.compiled is not None and program.flat_in:  # the usual case, as is
-            return program.leaves(program.compiled(*args))
+        direct = program.direct
+        if direct is not None:  # the usual case, as is (`_execute` spells this out)
+            return [direct(*args)] if program.single else program.leaves(direct(*args))
         import jax
 
         # The artifact was traced with pytree arguments; rebuild them from the flat list.

@@ -112,3 +112,5 @@ def test_programs_of_any_argument_and_result_tree_give_their_outputs_in_order(
         for handle, value in zip(handles, wanted, strict=True):
             np.testing.assert_array_equal(np.asarray(runtime.buffers.get(handle)), value)
     assert (runtime._programs["p"].compiled is not None) is ahead
+    # Compiled ahead and taking its arrays as they come: later calls go to it directly.
+    assert (runtime._programs["p"].direct is not None) is (ahead and flat_in)
