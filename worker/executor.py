@@ -82,20 +82,8 @@ def op_kind(op: Op) -> str:
     return type(op).__name__.removesuffix("Op").lower()
 
 
-def _has_runs(op: Op) -> bool:
-    """A call of several runs (ExecOp.repeat), which keeps the window to itself: its
-    runs are launched back to back, up to `window` of them unfinished at once, once the
-    programs before it have finished."""
-    return getattr(op, "repeat", 1) > 1
-
-
 # Programs whose last run on the devices took at least this long are watched (see above).
 WATCH_FROM_S = 0.005
-
-
-def _is_ready(pending: Pending) -> bool:
-    ready = getattr(pending, "ready", None)
-    return bool(ready is not None and ready())
 
 
 class SequenceError(RuntimeError):
@@ -123,6 +111,7 @@ class _Flight:
         "launched_ns",
         "op",
         "pending",
+        "poll",
         "ready_ns",
         "values",
         "watched",
@@ -138,6 +127,8 @@ class _Flight:
     ) -> None:
         self.op, self.pending, self.fut, self.launched_ns = op, pending, fut, launched_ns
         self.watched = watched  # by the watcher thread; else the executor's sees its end
+        # For one not watched: whether it is done yet, if the pending work can say.
+        self.poll: Callable[[], bool] | None = None if watched else getattr(pending, "ready", None)
         # Set by the watcher under the executor's `_watched` condition (one condition for
         # all flights: an Event each cost ~20 us per operation to make).
         self.done = False
@@ -149,7 +140,7 @@ class _Flight:
 def _seen_done(flight: _Flight) -> bool:
     """Whether the flight's program is known to be done: the watcher said so, or, for one
     it does not watch, its outputs are ready."""
-    return flight.done or (not flight.watched and _is_ready(flight.pending))
+    return flight.done or (flight.poll is not None and flight.poll())
 
 
 class InOrderExecutor:
@@ -292,7 +283,8 @@ class InOrderExecutor:
     def _loop(self) -> None:
         while True:
             with self._lock:
-                while self._idle():
+                # `_idle()`, spelled out: asked once per operation.
+                while not self._stopped and self._next not in self._waiting and not self._in_flight:
                     # Not under the lock: it may send (the channel's flush), and the
                     # receiver must be able to queue meanwhile.
                     self._cond.release()
@@ -317,7 +309,15 @@ class InOrderExecutor:
                 # block for long (or for ever, on a host stuck in a collective): the
                 # channel sends what is reported within its bound whatever this thread
                 # then does.
-                while self._in_flight and (_seen_done(self._in_flight[0]) or _has_runs(ready[0])):
+                # A call of several runs (ExecOp.repeat) keeps the window to itself: its
+                # runs are launched back to back, up to `window` of them unfinished at
+                # once, once the programs before it have finished. (`_seen_done` spelled
+                # out: asked before every launch.)
+                runs = getattr(ready[0], "repeat", 1) > 1
+                while self._in_flight:
+                    oldest = self._in_flight[0]
+                    if not (runs or oldest.done or (oldest.poll is not None and oldest.poll())):
+                        break
                     self._retire_oldest()
                 self._launch(*ready)
 
@@ -337,23 +337,28 @@ class InOrderExecutor:
             self._applying = None
         if pending is None:  # done on this thread: it ran from launch to now
             self._finish(op, fut, launched, launched, self._clock(), None)
-        elif not self._in_flight and _is_ready(pending):
-            # Done by the time its launch returned (XLA:CPU runs a program with collectives
-            # across processes inside the launch), with nothing before it to report first:
-            # finished now, here, without a round trip through the watcher thread.
-            ready = self._clock()
+        elif not self._in_flight and (ready := getattr(pending, "ready", None)) and ready():
+            # Done by the time its launch returned (XLA:CPU may run a program with
+            # collectives across processes inside the launch), with nothing before it to
+            # report first: finished now, here, without a round trip through the watcher.
+            ready_ns = self._clock()
             values, error = None, None
             try:
                 values = pending.wait()
             except Exception as exc:  # noqa: BLE001 - reported to the controller, not raised
                 error = exc
             started = max(launched, self._devices_free_ns)
-            self._devices_free_ns = ready
-            self._ran(op, ready - started)
+            self._devices_free_ns = ready_ns
+            self._ran(op, ready_ns - started)
             self._max_in_flight = max(self._max_in_flight, 1)
-            self._finish(op, fut, launched, started, ready, error, values)
+            self._finish(op, fut, launched, started, ready_ns, error, values)
         else:
-            flight = _Flight(op, pending, fut, launched, self._watches(op))
+            # Whether the watcher thread should see it end (see the module's docstring):
+            # yes unless it is a program whose last run was short.
+            program = getattr(op, "program_id", None)
+            last = self._last_run_ns.get(program) if program is not None else None
+            watched = last is None or last >= WATCH_FROM_S * 1e9
+            flight = _Flight(op, pending, fut, launched, watched)
             self._in_flight.append(flight)
             if flight.watched:
                 self._to_watch.put(flight)
@@ -372,14 +377,8 @@ class InOrderExecutor:
                 flight.done = True
                 self._watched.notify()
 
-    def _watches(self, op: Op) -> bool:
-        """Whether the watcher thread should see this program end (see the module's
-        docstring): yes unless it is a program whose last run was short."""
-        program = getattr(op, "program_id", None)
-        last = self._last_run_ns.get(program) if program is not None else None
-        return last is None or last >= WATCH_FROM_S * 1e9
-
     def _ran(self, op: Op, busy_ns: int) -> None:
+        """Notes how long a program's run kept the devices busy (which to watch)."""
         program = getattr(op, "program_id", None)
         if program is not None:
             self._last_run_ns[program] = busy_ns
@@ -404,7 +403,9 @@ class InOrderExecutor:
         self._retiring = None
         started = max(flight.launched_ns, self._devices_free_ns)
         self._devices_free_ns = flight.ready_ns
-        self._ran(flight.op, flight.ready_ns - started)
+        program = getattr(flight.op, "program_id", None)  # `_ran`, spelled out (per op)
+        if program is not None:
+            self._last_run_ns[program] = flight.ready_ns - started
         self._finish(
             flight.op,
             flight.fut,
