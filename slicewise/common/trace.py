@@ -39,19 +39,24 @@ class Span:
 Describe = Callable[[], tuple[str, str, str, dict[str, Any]]]
 
 
-class _Later:
-    """A span not made yet: its interval and how to describe it (see `record_later`)."""
+class _Later(tuple[int, int, Describe]):
+    """A span not made yet: (start_us, end_us, describe), see `record_later`. A tuple,
+    made by `tuple.__new__` without a Python call: one is recorded per operation, on
+    the controller and on every worker."""
 
-    __slots__ = ("describe", "end_us", "start_us")
+    __slots__ = ()
 
-    def __init__(self, start_us: int, end_us: int, describe: Describe) -> None:
-        self.start_us, self.end_us, self.describe = start_us, end_us, describe
+    @property
+    def start_us(self) -> int:
+        return self[0]
 
     def span(self) -> Span:
-        name, category, thread, args = self.describe()
-        return Span(
-            name, category, self.start_us, max(0, self.end_us - self.start_us), thread, args
-        )
+        start_us, end_us, describe = self
+        name, category, thread, args = describe()
+        return Span(name, category, start_us, max(0, end_us - start_us), thread, args)
+
+
+_new_later = tuple.__new__
 
 
 class SpanRecorder:
@@ -80,7 +85,7 @@ class SpanRecorder:
         the span is read: on a path taken for every operation, nothing is formatted
         unless somebody reads the timeline (`describe` must not change meanwhile)."""
         with self._lock:
-            self._spans.append(_Later(start_us, end_us, describe))
+            self._spans.append(_new_later(_Later, (start_us, end_us, describe)))
 
     def spans(
         self, since_us: int = 0, where: Mapping[str, Any] | None = None, *, last: int = 0
