@@ -217,6 +217,8 @@ class GangManager:
         Raises:
             FailedPreconditionError: the gang failed, is stopping, preempted or starting.
         """
+        if gang.state.usable:
+            return  # as `why_unusable` says, without looking up a queue position (per call)
         why = why_unusable(gang, gang_id or gang.gang_id, self._position(gang.gang_id))
         if why is not None:
             raise FailedPreconditionError(why)

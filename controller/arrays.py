@@ -135,6 +135,21 @@ class ArrayTable:
                 "output with a handle of its own"
             )
 
+    def on_gang(self, handle: str, gang_id: str) -> ArrayRecord:
+        """The record for `handle`, an array of gang `gang_id` that the caller has
+        resolved (and so may see): its tenant is not asked again for every input of
+        every call. Raises as `get` does, and FailedPreconditionError for an array of
+        another gang."""
+        record = self._records.get(handle)
+        if record is None or record.gang_id != gang_id:
+            record = self.get(handle)  # NotFoundError, as anywhere else
+        if record.gang_id != gang_id:
+            raise FailedPreconditionError(
+                f"array {handle} lives on gang {record.gang_id}, not on gang {gang_id}; "
+                "fetch it and put it on this gang"
+            )
+        return record
+
     def find(self, handle: str) -> ArrayRecord | None:
         """The record for `handle`, or None (never known, deleted, gone, or another
         tenant's)."""

@@ -564,12 +564,7 @@ class Controller:
         return results[k][1][i].handle
 
     def _usable_array(self, handle: str, gang_id: str) -> ArrayRecord:
-        record = self.arrays.get(handle)
-        if record.gang_id != gang_id:
-            raise FailedPreconditionError(
-                f"array {handle} lives on gang {record.gang_id}, not on gang {gang_id}; "
-                "fetch it and put it on this gang"
-            )
+        record = self.arrays.on_gang(handle, gang_id)
         record.require_usable()
         return record
 

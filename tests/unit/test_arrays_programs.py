@@ -90,6 +90,19 @@ def test_a_deleted_handle_is_reported_as_deleted():
     assert len(table) == 0
 
 
+def test_an_input_is_looked_up_on_the_gang_of_its_call():
+    table = ArrayTable()
+    mine, theirs = table.new("g1", SPEC), table.new("g2", SPEC)
+    assert table.on_gang(mine.handle, "g1") is mine
+    with pytest.raises(FailedPreconditionError, match=f"array {theirs.handle} lives on gang g2"):
+        table.on_gang(theirs.handle, "g1")
+    table.delete(mine.handle)
+    with pytest.raises(NotFoundError, match="was deleted"):
+        table.on_gang(mine.handle, "g1")
+    with pytest.raises(NotFoundError, match="'g1/a9' is unknown"):
+        table.on_gang("g1/a9", "g1")
+
+
 def test_an_unknown_handle_is_reported_as_unknown():
     with pytest.raises(NotFoundError, match="'g9/a1' is unknown"):
         ArrayTable().get("g9/a1")
