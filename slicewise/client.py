@@ -1118,7 +1118,10 @@ class Program:
         """Queues a call; arguments (pytrees of RemoteArrays or numpy arrays) as exported."""
         import jax
 
-        leaves = jax.tree.leaves((args, kwargs), is_leaf=lambda x: isinstance(x, RemoteArray))
+        if not kwargs and all(type(a) is RemoteArray for a in args):
+            leaves: list[Any] = list(args)  # the usual call, flat already: no tree to walk
+        else:
+            leaves = jax.tree.leaves((args, kwargs), is_leaf=lambda x: isinstance(x, RemoteArray))
         # Referenced until the call is queued: no delete of an uploaded argument goes first.
         inputs = [self._as_remote(i, a) for i, a in enumerate(leaves)]
         self._check_call(inputs)
@@ -1351,31 +1354,43 @@ class RemoteArray:
 
 class Lease:
     """A client's hold on one remote array, shared by every RemoteArray of its handle: the
-    array is dropped when the lease is garbage-collected."""
+    array is dropped when the lease is garbage-collected (`__del__`, one call, where a
+    `weakref.finalize` and a WeakValueDictionary entry cost about ten per array, and one
+    array is made per output of every call)."""
 
-    __slots__ = ("__weakref__", "_finalizer", "deleted", "handle")
+    __slots__ = ("__weakref__", "deleted", "generation", "handle", "nbytes", "queue")
 
-    def __init__(self, handle: str) -> None:
+    def __init__(self, queue: DropQueue, handle: str, nbytes: int) -> None:
+        self.queue = queue
         self.handle = handle
+        self.nbytes = nbytes
+        self.generation = queue._generation
         self.deleted = False
-        self._finalizer: weakref.finalize | None = None
 
     def cancel(self) -> None:
         """The array is deleted explicitly: dropping it queues nothing."""
         self.deleted = True
-        if self._finalizer is not None:
-            self._finalizer.detach()
+
+    def __del__(self) -> None:
+        # Runs on whatever thread dropped the last reference (or at interpreter exit):
+        # appends only, as the queue's docstring says; a dict pop and a deque append
+        # cannot raise, and use no module globals. Out of the registry first: a handle
+        # is only ever leased when its array is made, so nothing asks for a dying one.
+        queue = self.queue
+        queue._leases.pop(self.handle, None)
+        if not self.deleted:
+            queue._dropped.append((self.generation, self.handle, self.nbytes))
 
 
 class DropQueue:
     """The remote arrays of one gang that the client holds, and the handles of those it
     dropped, waiting to be deleted in batches.
 
-    `lease` gives every RemoteArray of one handle the same `Lease` (a weak registry by
-    handle), so a handle is queued only when its last RemoteArray is gone. The lease's
-    finalizer only appends to a deque: it may run on any thread, in the middle of another
-    call or at interpreter exit, so it takes no lock and sends nothing. Callers drain the
-    queue with `take` and send the deletes themselves.
+    `lease` gives every RemoteArray of one handle the same `Lease` (a registry of weak
+    references by handle), so a handle is queued only when its last RemoteArray is gone.
+    A dying lease only appends to a deque: it may die on any thread, in the middle of
+    another call or at interpreter exit, so it takes no lock and sends nothing. Callers
+    drain the queue with `take` and send the deletes themselves.
     """
 
     def __init__(
@@ -1383,27 +1398,24 @@ class DropQueue:
     ) -> None:
         self.batch_size = batch_size
         self.batch_bytes = batch_bytes
-        self._leases: weakref.WeakValueDictionary[str, Lease] = weakref.WeakValueDictionary()
-        # (generation, handle, bytes), appended by finalizers.
+        # handle -> a weak reference to its live lease (a dying lease removes itself).
+        self._leases: dict[str, weakref.ref[Lease]] = {}
+        # (generation, handle, bytes), appended by dying leases.
         self._dropped: deque[tuple[int, str, int]] = deque()
         # What callers moved out of `_dropped`: handle -> bytes, in drop order.
         self._pending: dict[str, int] = {}
         self._pending_bytes = 0
-        self._lock = threading.Lock()  # callers only, never a finalizer
+        self._lock = threading.Lock()  # callers only, never a dying lease
         self._generation = 0
 
     def lease(self, handle: str, nbytes: int) -> Lease:
         """The lease of `handle`, new or the one its other RemoteArrays share."""
-        lease = self._leases.get(handle)
+        ref = self._leases.get(handle)
+        lease = ref() if ref is not None else None
         if lease is None:
-            lease = self._leases[handle] = Lease(handle)
-            finalizer = weakref.finalize(lease, self._drop, self._generation, handle, nbytes)
-            finalizer.atexit = False  # the process is going: nothing to send
-            lease._finalizer = finalizer
+            lease = Lease(self, handle, nbytes)
+            self._leases[handle] = weakref.ref(lease)
         return lease
-
-    def _drop(self, generation: int, handle: str, nbytes: int) -> None:
-        self._dropped.append((generation, handle, nbytes))
 
     def forget(self) -> None:
         """Everything leased so far was freed as a whole (the gang was released): discards

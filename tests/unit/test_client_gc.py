@@ -53,6 +53,20 @@ def test_a_cancelled_lease_queues_nothing():
     assert taken(q) == []
 
 
+def test_a_lease_held_only_by_a_reference_cycle_is_queued_when_the_cycle_is_collected():
+    q = DropQueue()
+    gc.disable()  # the collector runs when this test says, not at an allocation
+    try:
+        holder: list[object] = [q.lease("g/a1", 16)]
+        holder.append(holder)  # a cycle: only the collector frees it
+        del holder
+        assert taken(q) == []
+        gc.collect()
+        assert taken(q) == ["g/a1"]
+    finally:
+        gc.enable()
+
+
 def test_take_returns_the_oldest_first_up_to_the_limit():
     q = DropQueue()
     leases = [q.lease(f"g/a{i}", 1) for i in range(5)]
