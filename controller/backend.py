@@ -18,7 +18,7 @@ from controller.coordination import CoordinationService
 from controller.simcluster import SLICE_NAME_LABEL, WORKER_ID_LABEL
 from slicewise.common.framing import ChannelError
 from slicewise.common.mesh import GangShape
-from slicewise.common.ops import Op, OpResult
+from slicewise.common.ops import Completions, Op
 from slicewise.common.trace import Span
 
 # Threads per worker actor: outstanding batches plus concurrent reads.
@@ -110,7 +110,7 @@ class Channel(Protocol):
 
     def listen(
         self,
-        on_results: Callable[[list[OpResult]], None],
+        on_results: Callable[[Completions], None],
         on_error: Callable[[ChannelError], None],
     ) -> None:
         """Hands each frame of completions to `on_results` as it arrives, and the

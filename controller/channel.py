@@ -25,14 +25,14 @@ from slicewise.common.framing import (
     hello,
     unframe,
 )
-from slicewise.common.ops import Op, OpResult
+from slicewise.common.ops import Completions, Op, OpResult
 
 log = logging.getLogger(__name__)
 
 
 # Told about each frame of completions as it arrives (in the order they completed, which
 # need not be sequence order), on the event loop's thread.
-OnResults = Callable[[list[OpResult]], None]
+OnResults = Callable[[Completions], None]
 # Told once, when the channel fails (the worker went away, refused a batch, or sent
 # something that is not a message).
 OnError = Callable[[ChannelError], None]
@@ -133,7 +133,7 @@ class ControllerEnd(asyncio.Protocol):
         kind, payload = await self._next()
         if kind != "done":
             raise ChannelError(f"{self._name} refused operations: {payload}")
-        return cast(list[OpResult], payload)
+        return cast(Completions, payload).results()
 
     async def _next(self) -> tuple[str, Any]:
         while not self._inbox:

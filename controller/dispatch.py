@@ -28,7 +28,7 @@ from typing import Any
 
 from controller.fairqueue import FairQueue
 from slicewise.common.errors import GangBrokenError
-from slicewise.common.ops import DeleteOp, Op, OpResult
+from slicewise.common.ops import Completions, DeleteOp, Op
 
 log = logging.getLogger(__name__)
 
@@ -39,7 +39,7 @@ Broadcast = Callable[[list[Op]], Awaitable[None]]
 # Starts handing worker `index`'s completions to the first callback as they arrive, in
 # the order they completed (which need not be sequence order), and the failure of its
 # channel to the second, once.
-Listen = Callable[[int, Callable[[list[OpResult]], None], Callable[[Exception], None]], None]
+Listen = Callable[[int, Callable[[Completions], None], Callable[[Exception], None]], None]
 # Told about every settled operation: (op kind, seq, queued_ns, settled_ns, error).
 Observer = Callable[[str, int, int, int, "str | None"], None]
 
@@ -253,23 +253,29 @@ class Dispatcher:
             self._sending -= 1
             self._wake.set()
 
-    def _completed(self, worker: int, results: list[OpResult]) -> None:
-        """Worker `worker` completed these operations."""
+    def _completed(self, worker: int, done: Completions) -> None:
+        """Worker `worker` completed these operations (read from the frame's columns:
+        no object per completion)."""
         if self.broken is not None:
             return
-        for result in results:
-            item = self._in_flight.get(result.seq)
+        full = {r.seq: r for r in done.full} if done.full else None
+        in_flight = self._in_flight
+        columns = zip(done.seqs, done.started_ns, done.finished_ns, strict=True)
+        for seq, started_ns, finished_ns in columns:
+            item = in_flight.get(seq)
             if item is None:
                 continue
             item.waiting_for.discard(worker)
-            if result.error and item.error is None:
-                item.error = result.error
-            if result.values is not None:
-                item.values = result.values
-            if result.finished_ns:
-                item.ran[worker] = (result.started_ns, result.finished_ns)
+            if full is not None and seq in full:
+                result = full[seq]
+                if result.error and item.error is None:
+                    item.error = result.error
+                if result.values is not None:
+                    item.values = result.values
+            if finished_ns:
+                item.ran[worker] = (started_ns, finished_ns)
             if not item.waiting_for:
-                del self._in_flight[result.seq]
+                del in_flight[seq]
                 self._settle(item, item.error)
                 self.completed += 1
         self._number()

@@ -42,7 +42,7 @@ from slicewise.common.errors import InvalidTransitionError, WorkerError
 from slicewise.common.failpoints import failpoint, worker_env
 from slicewise.common.framing import Pieces
 from slicewise.common.mesh import GangShape, Index
-from slicewise.common.ops import Op, OpResult
+from slicewise.common.ops import Completions, Op
 from slicewise.common.topology import SliceType
 from slicewise.common.trace import Span, SpanRecorder
 
@@ -383,7 +383,7 @@ class Gang:
     def _listen(
         self,
         worker: int,
-        on_results: Callable[[list[OpResult]], None],
+        on_results: Callable[[Completions], None],
         on_error: Callable[[Exception], None],
     ) -> None:
         self._channels[worker].listen(on_results, lambda exc: on_error(WorkerError(str(exc))))

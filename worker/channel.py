@@ -19,9 +19,9 @@ a peer that has not shown the token it was created with (Ray hands it over). Aft
 each message is a length-prefixed frame of msgpack (slicewise/common/codec.py):
 
     controller -> worker   ("submit", [op, ...])
-    worker -> controller   ("ready", None) once, then ("done", [OpResult, ...]) as
-                           operations complete, or ("error", message) when a batch is
-                           refused (a reused sequence number: a controller bug), and
+    worker -> controller   ("ready", None) once, then ("done", Completions) as
+                           operations complete (seqs and run times in columns), or
+                           ("error", message) when a batch is refused (a reused sequence number: a controller bug), and
                            ("beat", {...}) every BEAT_S seconds: the worker's progress
                            (see executor.Progress), and the program it is compiling
 
@@ -49,7 +49,7 @@ from typing import Any
 
 from slicewise.common.codec import TO_WORKER
 from slicewise.common.framing import LENGTH, ChannelError, frame, frame_length, unframe
-from slicewise.common.ops import Op, OpResult
+from slicewise.common.ops import Completions, Op, OpResult
 
 log = logging.getLogger(__name__)
 
@@ -255,7 +255,7 @@ class WorkerEnd:
         names its operation)."""
         started = time.time_ns()
         try:
-            self._send(conn, "done", batch)
+            self._send(conn, "done", Completions.of(batch))
         except OSError as exc:
             log.info("control channel: sending completions failed: %s", exc)
             with contextlib.suppress(OSError):

@@ -42,6 +42,7 @@ from slicewise.common.mesh import MeshAxis, MeshSpec, ShardingSpec
 from slicewise.common.ops import (
     BatchOp,
     CloseCheckpointsOp,
+    Completions,
     DeleteOp,
     ExecOp,
     HangOp,
@@ -76,6 +77,7 @@ REGISTERED: tuple[type, ...] = (
     PeerRestoreOp,
     HangOp,
     OpResult,
+    Completions,
 )
 
 
@@ -408,7 +410,7 @@ TO_WORKER = Messages({"submit": list[Op]})
 TO_CONTROLLER = Messages(
     {
         "ready": None,
-        "done": list[OpResult],
+        "done": Completions,
         "error": str,  # why a batch was refused
         "beat": dict[str, int | float | str],  # the worker's progress (worker/channel.py)
     }

@@ -6,6 +6,7 @@ codec knows (ints, floats, strs, bytes, tuples of them, mesh and sharding specs)
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -199,3 +200,52 @@ class OpResult:
     def seconds(self) -> float:
         """How long the op ran on the worker (0.0 when it never ran)."""
         return (self.finished_ns - self.started_ns) / 1e9
+
+
+@dataclass(frozen=True)
+class Completions:
+    """One frame of a worker's completions, in the order they completed, as columns:
+    operation `seqs[i]` ran from `started_ns[i]` to `finished_ns[i]` (see OpResult). The
+    few that failed or report values are also in `full`, whole.
+
+    Columns, not a list of OpResult: every call of every client is a completion from
+    every host of its gang, so this is the controller's cost per host per call. As tagged
+    maps each completion was encoded through a Python callback on the worker and decoded
+    into an object on the controller; as columns msgpack packs and unpacks the ints
+    itself and the controller reads them where they lie (controller/dispatch.py)."""
+
+    seqs: tuple[int, ...]
+    started_ns: tuple[int, ...]
+    finished_ns: tuple[int, ...]
+    full: tuple[OpResult, ...] = ()
+
+    def __post_init__(self) -> None:
+        if not len(self.seqs) == len(self.started_ns) == len(self.finished_ns):
+            raise ValueError(
+                f"columns of different lengths: {len(self.seqs)} seqs, "
+                f"{len(self.started_ns)} starts, {len(self.finished_ns)} ends"
+            )
+        if self.full and not {r.seq for r in self.full} <= set(self.seqs):
+            raise ValueError("a full completion names an operation the columns do not")
+
+    @classmethod
+    def of(cls, results: Sequence[OpResult]) -> Completions:
+        return cls(
+            tuple([r.seq for r in results]),
+            tuple([r.started_ns for r in results]),
+            tuple([r.finished_ns for r in results]),
+            tuple([r for r in results if r.error is not None or r.values is not None]),
+        )
+
+    def __len__(self) -> int:
+        return len(self.seqs)
+
+    def results(self) -> list[OpResult]:
+        """The completions as OpResults, in order."""
+        full = {r.seq: r for r in self.full}
+        return [
+            full[seq] if seq in full else OpResult(seq, None, None, started, finished)
+            for seq, started, finished in zip(
+                self.seqs, self.started_ns, self.finished_ns, strict=True
+            )
+        ]

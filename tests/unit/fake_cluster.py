@@ -15,7 +15,7 @@ import grpc
 from controller.backend import HostBundle, Reservation, Worker, WorkerSpec
 from controller.simcluster import host_labels, host_resources, slice_names
 from slicewise.common.framing import ChannelError
-from slicewise.common.ops import Op, OpResult
+from slicewise.common.ops import Completions, Op, OpResult
 from slicewise.common.topology import SliceType, slice_type
 
 
@@ -154,7 +154,7 @@ class FakeChannel:
             self._listener = None
             asyncio.get_running_loop().call_soon(on_error, item)
         else:
-            asyncio.get_running_loop().call_soon(on_results, item)
+            asyncio.get_running_loop().call_soon(on_results, Completions.of(item))
 
     def die(self) -> None:
         self._push(

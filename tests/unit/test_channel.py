@@ -183,8 +183,8 @@ class Listener:
         self.changed = asyncio.Event()
         channel.listen(self.on_results, self.on_error)
 
-    def on_results(self, results):
-        self.frames.append([r.seq for r in results])
+    def on_results(self, done):
+        self.frames.append(list(done.seqs))
         self.changed.set()
         if self.raises is not None:
             raise self.raises

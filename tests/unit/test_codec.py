@@ -25,6 +25,7 @@ from slicewise.common.mesh import MeshSpec, ShardingSpec
 from slicewise.common.ops import (
     BatchOp,
     CloseCheckpointsOp,
+    Completions,
     DeleteOp,
     ExecOp,
     HangOp,
@@ -183,10 +184,27 @@ def test_a_batch_of_every_operation_round_trips_in_order():
 
 
 def test_completions_round_trip_with_their_values():
-    kind, results = round_trip("done", RESULTS)
-    assert kind == "done"
+    kind, done = round_trip("done", Completions.of(RESULTS))
+    assert kind == "done" and type(done) is Completions
+    assert done.seqs == (3, 4, 5) and done.finished_ns == (NS + 1_500_000, 0, NS + 7)
+    assert [r.seq for r in done.full] == [4, 5]  # the plain one travels only in columns
+    results = done.results()
     assert_same(results, RESULTS)
     assert results[2].seconds == RESULTS[2].seconds
+
+
+@pytest.mark.parametrize(
+    "change, reason",
+    [
+        (lambda m: m["seqs"].pop(), "columns of different lengths: 2 seqs, 3 starts"),
+        (lambda m: m["full"][0].update(seq=9), "names an operation the columns do not"),
+        (lambda m: m["finished_ns"].__setitem__(0, "1"), "finished_ns: expected int, got str"),
+    ],
+)
+def test_completions_whose_columns_disagree_are_refused(change, reason):
+    m = msgpack.unpackb(codec.encode("done", Completions.of(RESULTS)))[1]
+    change(m)
+    assert reason in refused(body(["done", m]), TO_CONTROLLER)
 
 
 @pytest.mark.parametrize(
@@ -214,12 +232,13 @@ def types_in(value):
 
 def test_every_operation_is_registered_and_every_registered_type_tested():
     assert set(typing.get_args(Op)) <= set(REGISTERED)
-    assert types_in(OPS) | types_in(RESULTS) == set(REGISTERED)
+    assert types_in(OPS) | types_in(Completions.of(RESULTS)) == set(REGISTERED)
 
 
 def test_arrays_in_another_byte_order_arrive_in_this_machines():
     big_endian = np.arange(4, dtype=">i4")
-    _, (result,) = round_trip("done", [OpResult(1, None, (big_endian,))])
+    _, done = round_trip("done", Completions.of([OpResult(1, None, (big_endian,))]))
+    (result,) = done.results()
     (value,) = result.values
     assert value.dtype == np.dtype("int32") and value.dtype.isnative
     assert value.tolist() == [0, 1, 2, 3]
@@ -245,7 +264,7 @@ def test_an_int_where_a_float_goes_travels_as_python_has_it():
 )
 def test_what_cannot_travel_is_refused_by_the_sender(payload, reason):
     with pytest.raises(ChannelError, match=reason):
-        frame("done", payload)
+        frame("done", Completions.of(payload))
 
 
 # -- what a receiver refuses ----------------------------------------------------------
@@ -346,9 +365,9 @@ def array_map(**changes):
     ],
 )
 def test_bad_arrays_are_refused(array, reason):
-    result = msgpack.unpackb(codec.encode("done", [OpResult(1, None, (1,))]))[1][0]
-    result["values"] = [array]
-    assert reason in refused(body(["done", [result]]), TO_CONTROLLER)
+    done = msgpack.unpackb(codec.encode("done", Completions.of([OpResult(1, None, (1,))])))[1]
+    done["full"][0]["values"] = [array]
+    assert reason in refused(body(["done", done]), TO_CONTROLLER)
 
 
 def test_every_truncation_of_a_frame_is_refused():

@@ -7,7 +7,7 @@ import pytest
 
 from controller.dispatch import Dispatcher
 from slicewise.common.errors import WorkerError
-from slicewise.common.ops import DeleteOp, OpResult
+from slicewise.common.ops import Completions, DeleteOp, OpResult
 
 TIMEOUT = 5.0
 
@@ -81,7 +81,7 @@ class FakeWorkers:
         ready = self.completed[worker][self.cursors[worker] :]
         if ready:
             self.cursors[worker] += len(ready)
-            self.listeners[worker][0](ready)
+            self.listeners[worker][0](Completions.of(ready))
 
     def seqs(self, worker):
         return [o.seq for batch in self.batches[worker] for o in batch]
@@ -423,3 +423,32 @@ def test_each_workers_report_of_when_it_ran_an_op_lands_on_the_ticket():
         return ticket
 
     assert run(scenario()).ran == {0: (10, 30), 1: (5, 45)}
+
+
+def test_a_frame_of_plain_failed_and_reporting_completions_settles_each_in_its_order():
+    async def scenario():
+        workers = FakeWorkers(1, hold=True)
+        dispatcher = Dispatcher(workers.send, workers.listen, 1)
+        tickets = [dispatcher.submit(delete) for _ in range(4)]
+        settled = []
+        for t in tickets:
+            t.settled = lambda error, seq=t.seq: settled.append(seq)
+        await until(lambda: len(workers.queued[0]) == 4)
+        seqs = [t.seq for t in tickets]
+        # One frame, in the order they completed: plain, failed, reporting, plain.
+        workers.completed[0] += [
+            OpResult(seqs[2], None, None, 1, 2),
+            OpResult(seqs[0], "ValueError: bad", None, 3, 4),
+            OpResult(seqs[3], None, (1.5, "x"), 5, 6),
+            OpResult(seqs[1], None, None, 7, 8),
+        ]
+        workers.changed(0)
+        outcomes = [await t.done for t in tickets]
+        await dispatcher.close("done")
+        return tickets, outcomes, settled, seqs
+
+    tickets, outcomes, settled, seqs = run(scenario())
+    assert outcomes == ["ValueError: bad", None, None, None]
+    assert settled == [seqs[2], seqs[0], seqs[3], seqs[1]]
+    assert [t.values for t in tickets] == [None, None, None, (1.5, "x")]
+    assert [t.ran for t in tickets] == [{0: (3, 4)}, {0: (7, 8)}, {0: (1, 2)}, {0: (5, 6)}]
