@@ -237,9 +237,6 @@ class Completions:
             tuple([r for r in results if r.error is not None or r.values is not None]),
         )
 
-    def __len__(self) -> int:
-        return len(self.seqs)
-
     def results(self) -> list[OpResult]:
         """The completions as OpResults, in order."""
         full = {r.seq: r for r in self.full}
