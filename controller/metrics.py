@@ -6,7 +6,13 @@ things happen, and `serve_metrics` exposes them over HTTP for Prometheus to scra
 
 from __future__ import annotations
 
-from prometheus_client import Counter, Gauge, Histogram, start_http_server
+import bisect
+import math
+from collections.abc import Iterator
+
+from prometheus_client import REGISTRY, Counter, Gauge, Histogram, start_http_server
+from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.registry import Collector
 
 _LATENCY_BUCKETS = (
     0.0005,
@@ -30,19 +36,12 @@ _LATENCY_BUCKETS = (
 QUEUE_LENGTH = Gauge("slicewise_queue_length", "Gang requests waiting for admission")
 GANGS = Gauge("slicewise_gangs", "Gangs currently holding slices")
 SLICES = Gauge("slicewise_slices", "TPU slices in the inventory", ["state"])
-DISPATCH_SECONDS = Histogram(
-    "slicewise_dispatch_latency_seconds",
-    "From an operation being queued on a gang to every worker having completed it",
-    ["kind"],
-    buckets=_LATENCY_BUCKETS,
-)
 RPC_SECONDS = Histogram(
     "slicewise_rpc_seconds",
     "Time the controller spent answering an RPC",
     ["method"],
     buckets=_LATENCY_BUCKETS,
 )
-OPERATIONS = Counter("slicewise_operations_total", "Operations dispatched to gangs", ["kind"])
 STREAM_CALLS = Counter("slicewise_stream_calls_total", "Calls received on call streams")
 STREAM_MESSAGES = Counter(
     "slicewise_stream_messages_total", "Call-stream messages received (calls travel together)"
@@ -61,6 +60,70 @@ STEP_SECONDS = Histogram(
     buckets=_LATENCY_BUCKETS,
 )
 STEPS = Counter("slicewise_steps_total", "Training steps completed by jobs")
+
+
+class OpTally:
+    """One kind of operation's count and dispatch latencies (see `OperationMetrics`)."""
+
+    __slots__ = ("buckets", "count", "seconds")
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.seconds = 0.0
+        self.buckets = [0] * (len(_LATENCY_BUCKETS) + 1)  # the last one: above them all
+
+    def observe(self, seconds: float) -> None:
+        """One operation settled, `seconds` after it was queued (the event loop's thread
+        only: the scrape reads these unlocked)."""
+        self.count += 1
+        self.seconds += seconds
+        self.buckets[bisect.bisect_left(_LATENCY_BUCKETS, seconds)] += 1
+
+
+class OperationMetrics(Collector):
+    """`slicewise_operations_total` and `slicewise_dispatch_latency_seconds` by kind of
+    operation, counted in plain Python and made into metrics only when Prometheus
+    scrapes: they change with every operation of every call, and prometheus_client's
+    Counter.inc and Histogram.observe take a lock each, 2.6 us a call together against
+    0.4 for `OpTally.observe` (timeit, 2026-12-04), on the controller's one thread."""
+
+    def __init__(self) -> None:
+        self._tallies: dict[str, OpTally] = {}
+
+    def tally(self, kind: str) -> OpTally:
+        tally = self._tallies.get(kind)
+        if tally is None:
+            tally = self._tallies[kind] = OpTally()
+        return tally
+
+    def collect(self) -> Iterator[Metric]:
+        operations = CounterMetricFamily(
+            "slicewise_operations", "Operations dispatched to gangs", labels=["kind"]
+        )
+        latency = HistogramMetricFamily(
+            "slicewise_dispatch_latency_seconds",
+            "From an operation being queued on a gang to every worker having completed it",
+            labels=["kind"],
+        )
+        for kind, tally in list(self._tallies.items()):
+            counts = list(tally.buckets)  # one read: the count is theirs, consistent
+            cumulative, buckets = 0, []
+            for bound, n in zip((*_LATENCY_BUCKETS, math.inf), counts, strict=True):
+                cumulative += n
+                buckets.append((_bound_label(bound), float(cumulative)))
+            operations.add_metric([kind], float(cumulative))
+            latency.add_metric([kind], buckets, sum_value=tally.seconds)
+        yield operations
+        yield latency
+
+
+def _bound_label(bound: float) -> str:
+    """A bucket's `le` as prometheus_client writes it (0.5, 1.0, +Inf)."""
+    return "+Inf" if math.isinf(bound) else repr(float(bound))
+
+
+OPERATIONS = OperationMetrics()
+REGISTRY.register(OPERATIONS)
 
 
 def serve_metrics(port: int, host: str = "127.0.0.1") -> int:
