@@ -18,7 +18,7 @@ from typing import Any
 
 from slicewise.common.framing import Pieces
 from slicewise.common.mesh import GangShape
-from slicewise.common.ops import DeleteOp, ExecOp, Op, OpResult
+from slicewise.common.ops import Completions, DeleteOp, ExecOp, Op, OpResult
 from slicewise.common.trace import Span, SpanRecorder, now_us
 from worker.channel import WorkerEnd
 from worker.executor import InOrderExecutor
@@ -84,7 +84,7 @@ class HostWorker:
         thread = "programs" if isinstance(op, ExecOp) else "executor"
         return name, "execute", thread, {"gang": self.gang_id, "seq": op.seq, **args}
 
-    def _on_sent(self, batch: list[OpResult], started_ns: int, finished_ns: int) -> None:
+    def _on_sent(self, done: Completions, started_ns: int, finished_ns: int) -> None:
         # One span per frame of completions: the timeline shows how they were batched.
         self.spans.record(
             "send completions",
@@ -93,7 +93,7 @@ class HostWorker:
             finished_ns // 1000,
             thread="control",
             gang=self.gang_id,
-            seqs=[r.seq for r in batch],
+            seqs=list(done.seqs),
         )
 
     def _progress(self) -> dict[str, Any]:
@@ -245,29 +245,34 @@ class HostWorker:
 
 
 def _report_done(
-    worker: HostWorker, op: Op, launched_ns: int, finished_ns: int, result: OpResult
+    worker: HostWorker,
+    op: Op,
+    launched_ns: int,
+    started_ns: int,
+    finished_ns: int,
+    error: str | None,
+    values: Any,
 ) -> None:
     """The executor's `on_done`: the span, and the completion for the controller."""
     # The span is the interval the completion reports (what step times are made of).
     # Programs get a row of their own: their spans follow each other on the devices,
     # while the executor thread meanwhile applies the operations queued behind them.
-    describe = functools.partial(worker._describe, op, launched_ns, result.started_ns, result.error)
+    describe = functools.partial(worker._describe, op, launched_ns, started_ns, error)
     if isinstance(op, (ExecOp, DeleteOp)):
         # The operations of every call: described only if somebody reads the timeline
         # (they hold a few names; a LoadOp holds a program, kept for no span).
-        worker.spans.record_later(result.started_ns // 1000, finished_ns // 1000, describe)
+        worker.spans.record_later(started_ns // 1000, finished_ns // 1000, describe)
     else:
         name, category, thread, args = describe()
         worker.spans.record(
-            name,
-            category,
-            result.started_ns // 1000,
-            finished_ns // 1000,
-            thread=thread,
-            **args,
+            name, category, started_ns // 1000, finished_ns // 1000, thread=thread, **args
         )
-    assert worker._channel is not None  # operations only come through it
-    worker._channel.completed(result)
+    channel = worker._channel
+    assert channel is not None  # operations only come through it
+    if error is None and values is None:  # nearly all: no OpResult to make
+        channel.ran(op.seq, started_ns, finished_ns)
+    else:
+        channel.completed(OpResult(op.seq, error, values, started_ns, finished_ns))
 
 
 def _flush(worker: HostWorker) -> None:

@@ -80,7 +80,7 @@ FLUSH_AFTER_DEEP_S = 0.1
 BEAT_S = 0.5
 
 # Told about every frame of completions sent: (completions, started_ns, finished_ns).
-OnSent = Callable[[list[OpResult], int, int], None]
+OnSent = Callable[[Completions, int, int], None]
 
 
 def _recv_exact(sock: socket.socket, n: int) -> bytearray:
@@ -117,8 +117,13 @@ class WorkerEnd:
         self._progress = progress or dict
         self._beat_s = beat_s
         self._backlog = backlog or (lambda: 0)  # operations queued or running here
-        self._done: list[OpResult] = []
-        self._first_done = 0.0  # time.monotonic() when the oldest of `_done` was queued
+        # The completions not sent yet, as the columns they travel in (ops.Completions):
+        # every one's seq and run times, and whole those that failed or report values.
+        self._seqs: list[int] = []
+        self._started: list[int] = []
+        self._finished: list[int] = []
+        self._full: list[OpResult] = []
+        self._first_done = 0.0  # time.monotonic() when the oldest of them was queued
         self._last_op_ns = 0  # how long the last operation completed took to run
         # `completed` takes the lock itself: `with` on a Condition is two calls in Python.
         self._lock = threading.Lock()
@@ -131,14 +136,36 @@ class WorkerEnd:
     def completed(self, result: OpResult) -> None:
         """Queues a completion for the controller; it goes out on the next `flush`, at
         once when many are waiting, and at the latest FLUSH_AFTER_S from now."""
+        full = result.error is not None or result.values is not None
+        self.ran(result.seq, result.started_ns, result.finished_ns, result if full else None)
+
+    def ran(
+        self, seq: int, started_ns: int, finished_ns: int, full: OpResult | None = None
+    ) -> None:
+        """`completed`, from the columns' values: an operation that neither failed nor
+        reports values (most of them) needs no OpResult; `full` is the one that does."""
         with self._lock:
-            self._done.append(result)
-            self._last_op_ns = result.finished_ns - result.started_ns
-            if len(self._done) == 1:
+            if full is not None:
+                self._full.append(full)
+            seqs = self._seqs
+            seqs.append(seq)
+            self._started.append(started_ns)
+            self._finished.append(finished_ns)
+            self._last_op_ns = finished_ns - started_ns
+            if len(seqs) == 1:
                 self._first_done = time.monotonic()
                 self._cond.notify()  # the sender times the bound from here
-            elif len(self._done) >= FLUSH_AT:
+            elif len(seqs) >= FLUSH_AT:
                 self._cond.notify()
+
+    def _take(self) -> Completions:
+        """The completions queued, as one frame's worth; the queue is left empty (under
+        `_cond`)."""
+        done = Completions(
+            tuple(self._seqs), tuple(self._started), tuple(self._finished), tuple(self._full)
+        )
+        self._seqs, self._started, self._finished, self._full = [], [], [], []
+        return done
 
     def flush(self) -> None:
         """Sends the queued completions now, on the calling thread (the executor calls
@@ -150,10 +177,10 @@ class WorkerEnd:
         anyway. The sender thread still sends what waits past the bound."""
         with self._cond:
             conn = self._conn
-            if not self._done or conn is None:
+            if not self._seqs or conn is None:
                 return
-            batch, self._done = self._done, []
-        self._send_batch(conn, batch)
+            done = self._take()
+        self._send_batch(conn, done)
 
     def serve(
         self, conn: socket.socket, hello: dict[str, Any], reply: Callable[[dict[str, Any]], None]
@@ -227,18 +254,18 @@ class WorkerEnd:
         while True:
             with self._cond:
                 while self._conn is conn:
-                    if not self._done:
+                    if not self._seqs:
                         self._cond.wait()
                         continue
                     bound = FLUSH_AFTER_DEEP_S if self._deep() else FLUSH_AFTER_S
                     left = self._first_done + bound - time.monotonic()
-                    if len(self._done) >= FLUSH_AT or left <= 0:
+                    if len(self._seqs) >= FLUSH_AT or left <= 0:
                         break
                     self._cond.wait(left)
                 if self._conn is not conn:
                     return
-                batch, self._done = self._done, []
-            if not self._send_batch(conn, batch):
+                done = self._take()
+            if not self._send_batch(conn, done):
                 return
 
     def _deep(self) -> bool:
@@ -249,13 +276,13 @@ class WorkerEnd:
             backlog >= LONG_BACKLOG and backlog * self._last_op_ns >= DEEP_QUEUE_S * 1e9
         )
 
-    def _send_batch(self, conn: socket.socket, batch: list[OpResult]) -> bool:
+    def _send_batch(self, conn: socket.socket, done: Completions) -> bool:
         """Sends one frame of completions; False (and the connection shut) if it failed.
         Frames may go out from two threads: their order does not matter (each completion
         names its operation)."""
         started = time.time_ns()
         try:
-            self._send(conn, "done", Completions.of(batch))
+            self._send(conn, "done", done)
         except OSError as exc:
             log.info("control channel: sending completions failed: %s", exc)
             with contextlib.suppress(OSError):
@@ -263,7 +290,7 @@ class WorkerEnd:
             return False
         with self._cond:
             self.counts["frames_out"] += 1
-            self.counts["completions_out"] += len(batch)
+            self.counts["completions_out"] += len(done.seqs)
         if self._on_sent is not None:
-            self._on_sent(batch, started, time.time_ns())
+            self._on_sent(done, started, time.time_ns())
         return True

@@ -53,10 +53,12 @@ class Pending(Protocol):
 
 Apply = Callable[[Op], "Pending | None"]
 OnFailure = Callable[[Op, str], None]
-# Called once per operation when it completes: (op, launched_ns, finished_ns, result).
-# A program launched while earlier ones still ran starts running later than it was
-# launched: the result's `started_ns` says when.
-OnDone = Callable[[Op, int, int, OpResult], None]
+# Called once per operation when it completes: (op, launched_ns, started_ns, finished_ns,
+# error, values), what an OpResult holds, as they are: most operations complete with
+# neither error nor values, and their completions travel as columns (ops.Completions),
+# so no object is made for them. A program launched while earlier ones still ran starts
+# running later than it was launched: `started_ns` says when.
+OnDone = Callable[[Op, int, int, int, "str | None", Any], None]
 Clock = Callable[[], int]  # wall-clock nanoseconds
 # Called whenever the executor is about to wait with nothing to launch (no operations,
 # or only device work to wait for): completions reported since should go out now. While
@@ -429,14 +431,13 @@ class InOrderExecutor:
         message = None if exc is None else f"{type(exc).__name__}: {exc}"
         if message is not None and self._on_failure is not None:
             self._on_failure(op, message)
-        result = OpResult(op.seq, message, values, started_ns, finished_ns)
         self._progress_ns = self._clock()
         with self._lock:
             self._held -= 1
         if self._on_done is not None:
-            self._on_done(op, launched_ns, finished_ns, result)
+            self._on_done(op, launched_ns, started_ns, finished_ns, message, values)
         if fut is not None:
-            fut.set_result(result)
+            fut.set_result(OpResult(op.seq, message, values, started_ns, finished_ns))
 
     def _fail_all(self, reason: str) -> None:
         self._held = 0  # under _cond, as _loop calls this

@@ -33,11 +33,18 @@ def run(coro):
 class Worker:
     """A data server whose control connections go to a WorkerEnd feeding a real executor."""
 
+    def done(self, op, launched_ns, started_ns, finished_ns, error, values):
+        """As the worker's actor reports a completion: `ran` unless there is more to say."""
+        if error is None and values is None:
+            self.end.ran(op.seq, started_ns, finished_ns)
+        else:
+            self.end.completed(OpResult(op.seq, error, values, started_ns, finished_ns))
+
     def __init__(self, epoch=1, apply=lambda op: None, flush=True, **end_kwargs):
         self.end = WorkerEnd(TOKEN, epoch, self.submit, **end_kwargs)
         self.executor = InOrderExecutor(
             apply,
-            on_done=lambda op, s, f, result: self.end.completed(result),
+            on_done=self.done,
             on_idle=self.end.flush if flush else None,
         )
         self.server = DataServer("127.0.0.1", TOKEN, self.no_put, self.no_get, self.end.serve)

@@ -185,7 +185,7 @@ def test_on_idle_runs_when_nothing_is_left_to_launch_not_while_work_waits_for_ro
     executor = start(
         device,
         window=1,
-        on_done=lambda o, s, f, r: events.append(r.seq),
+        on_done=lambda o, launched, s, f, error, values: events.append(o.seq),
         on_idle=lambda: events.append("idle"),
     )
     futures = executor.submit([op(1), op(2), op(3)])
@@ -318,7 +318,7 @@ def test_a_program_runs_from_the_later_of_its_launch_and_the_end_of_the_one_befo
         device,
         window=2,
         clock=clock,
-        on_done=lambda o, launched, f, r: launches.setdefault(o.seq, launched / MS),
+        on_done=lambda o, launched, *_: launches.setdefault(o.seq, launched / MS),
     )
     futures = executor.submit([op(s) for s in plan])
     # The device finishes each program only once the executor has launched what it
