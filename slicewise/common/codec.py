@@ -282,13 +282,20 @@ class _Object(_Decoder):
         if value.keys() != schema.keys:
             sent = sorted(str(k) for k in value if k != TAG)
             raise CodecError(f"a {tag} has the fields {list(schema.names)}, got {sent}")
-        for name, plain, decode in schema.fields:
+        for name, plain, decode, items in schema.fields:
             v = value[name]
-            if type(v) not in plain:
-                try:
-                    value[name] = decode(v)
-                except CodecError as exc:
-                    raise CodecError(f"{tag}.{name}: {exc}") from None
+            if type(v) in plain:
+                continue
+            if items and type(v) is tuple:
+                for x in v:  # `_Sequence`, spelled out: a tuple of handles, per operation
+                    if type(x) not in items:
+                        break  # the decoder says what it expected
+                else:
+                    continue
+            try:
+                value[name] = decode(v)
+            except CodecError as exc:
+                raise CodecError(f"{tag}.{name}: {exc}") from None
         del value[TAG]
         # Made as pickle makes a dataclass, without the generated __init__ (a frozen one
         # costs an object.__setattr__ per field): every field is here and checked, and
@@ -380,14 +387,19 @@ class _Schema:
         self.post_init = getattr(cls, "__post_init__", None)
         self.names = tuple(f.name for f in dataclasses.fields(cls))
         self.keys = {TAG, *self.names}
-        self.fields: list[tuple[str, tuple[type, ...], _Decoder]] = []
+        # (name, the types kept as they are, the decoder, and for a tuple of plain values
+        # (a handle list) the types its items may have, checked without a call)
+        self.fields: list[tuple[str, tuple[type, ...], _Decoder, tuple[type, ...]]] = []
 
     def compile(self) -> None:
         """Makes the decoders (once every registered type has a schema to refer to)."""
         hints = typing.get_type_hints(self.cls)
         for name in self.names:
             decoder = _decoder(hints[name])
-            self.fields.append((name, decoder.plain, decoder))
+            items: tuple[type, ...] = ()
+            if isinstance(decoder, _Sequence) and isinstance(decoder.item, _Exact):
+                items = decoder.item.plain if decoder.make is tuple else ()
+            self.fields.append((name, decoder.plain, decoder, items))
 
 
 _SCHEMAS: dict[type, _Schema] = {cls: _Schema(cls) for cls in REGISTERED}
