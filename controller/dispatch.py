@@ -28,7 +28,7 @@ from typing import Any
 
 from controller.fairqueue import FairQueue
 from slicewise.common.errors import GangBrokenError
-from slicewise.common.ops import Completions, DeleteOp, Op
+from slicewise.common.ops import Completions, DeleteOp, Op, op_kind
 
 log = logging.getLogger(__name__)
 
@@ -294,7 +294,7 @@ class Dispatcher:
             except Exception:  # noqa: BLE001 - one op's bookkeeping must not stop the rest
                 log.exception("%s: settling operation %d failed", self._name, item.seq)
         if self._observer is not None and item.ops is not None:
-            kind = type(item.op_for(0)).__name__.removesuffix("Op").lower()
+            kind = op_kind(item.op_for(0))
             with contextlib.suppress(Exception):
                 self._observer(kind, item.seq, item.queued_ns, time.time_ns(), error)
 

@@ -40,7 +40,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from slicewise.common.ops import Op, OpResult
+from slicewise.common.ops import Op, OpResult, op_kind
 
 
 class Pending(Protocol):
@@ -77,11 +77,6 @@ class Progress:
     oldest_seq: int = 0
     oldest_kind: str = ""
     stalled_s: float = 0.0
-
-
-def op_kind(op: Op) -> str:
-    """`exec`, `save`, `hang`...: an operation's type in a word."""
-    return type(op).__name__.removesuffix("Op").lower()
 
 
 # Programs whose last run on the devices took at least this long are watched (see above).

@@ -38,6 +38,7 @@ from slicewise.common.ops import (
     PutOp,
     RestoreOp,
     SaveOp,
+    op_kind,
 )
 from worker import executables
 from worker.buffers import BufferTable
@@ -244,7 +245,7 @@ class JaxRuntime:
             return f"restore step {op.step}", {"step": op.step, "directory": op.directory}
         if isinstance(op, CloseCheckpointsOp):
             return "close checkpoints", {"directory": op.directory}
-        return type(op).__name__.removesuffix("Op").lower(), {}
+        return op_kind(op), {}
 
     def on_failure(self, op: Op, error: str) -> None:
         """Marks what a failed operation should have produced as failed, too."""

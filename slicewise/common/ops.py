@@ -246,3 +246,15 @@ class Completions:
                 self.seqs, self.started_ns, self.finished_ns, strict=True
             )
         ]
+
+
+def op_kind(op: Op) -> str:
+    """`exec`, `save`, `hang`...: an operation's type in a word (as metrics, spans and
+    heartbeats name it)."""
+    kind = _KINDS.get(type(op))
+    if kind is None:  # once per type: it is asked for every operation the controller settles
+        kind = _KINDS[type(op)] = type(op).__name__.removesuffix("Op").lower()
+    return kind
+
+
+_KINDS: dict[type, str] = {}
