@@ -363,6 +363,40 @@ def test_completions_go_out_unflushed_within_the_bound():
         worker.close()
 
 
+def test_a_completion_after_a_flush_keeps_its_bound_while_the_sender_timed_a_longer_one(
+    monkeypatch,
+):
+    """The sender is woken by a first completion only when it would look too late: here
+    it times a deep queue's bound (made longer than the test waits) for a completion the
+    executor then flushes itself; the queue is shallow when the next one completes, which
+    must go out within the short bound, not when the sender would have looked again."""
+    monkeypatch.setattr(worker_channel, "FLUSH_AFTER_DEEP_S", 10 * TIMEOUT)
+    backlog = {"n": 10_000}
+    worker = Worker(flush=False, backlog=lambda: backlog["n"])
+
+    async def scenario():
+        channel = await ControllerEnd.connect(worker.server.address, TOKEN, 1, "host 0")
+        await channel.send([DeleteOp(1, ())])
+        wait_until(
+            lambda: worker.end._seqs == [1],
+            timeout_s=TIMEOUT,
+            what="op 1's completion to be queued",
+            interval_s=0.01,
+        )
+        worker.end.flush()  # as an executor that went idle would
+        first = await asyncio.wait_for(receive_all(channel, 1), TIMEOUT)
+        backlog["n"] = 0
+        await channel.send([DeleteOp(2, ())])
+        second = await asyncio.wait_for(receive_all(channel, 1), TIMEOUT)
+        channel.close()
+        return first, second
+
+    try:
+        assert run(scenario()) == ([1], [2])
+    finally:
+        worker.close()
+
+
 @pytest.mark.parametrize("flush", [True, False], ids=["flushed", "unflushed"])
 def test_a_flush_sends_on_the_executors_thread_and_the_bound_on_the_senders(flush, monkeypatch):
     """An idle executor's flush sends its completions itself (no thread woken for it);
