@@ -65,17 +65,15 @@ STEPS = Counter("slicewise_steps_total", "Training steps completed by jobs")
 class OpTally:
     """One kind of operation's count and dispatch latencies (see `OperationMetrics`)."""
 
-    __slots__ = ("buckets", "count", "seconds")
+    __slots__ = ("buckets", "seconds")
 
     def __init__(self) -> None:
-        self.count = 0
         self.seconds = 0.0
         self.buckets = [0] * (len(_LATENCY_BUCKETS) + 1)  # the last one: above them all
 
     def observe(self, seconds: float) -> None:
         """One operation settled, `seconds` after it was queued (the event loop's thread
         only: the scrape reads these unlocked)."""
-        self.count += 1
         self.seconds += seconds
         self.buckets[bisect.bisect_left(_LATENCY_BUCKETS, seconds)] += 1
 
@@ -106,7 +104,7 @@ class OperationMetrics(Collector):
             labels=["kind"],
         )
         for kind, tally in list(self._tallies.items()):
-            counts = list(tally.buckets)  # one read: the count is theirs, consistent
+            counts = list(tally.buckets)  # one copy: the count is their sum, never behind
             cumulative, buckets = 0, []
             for bound, n in zip((*_LATENCY_BUCKETS, math.inf), counts, strict=True):
                 cumulative += n
