@@ -108,6 +108,9 @@ class Channel(Protocol):
     async def drain(self) -> None:
         """Waits until what was written is on its way."""
 
+    def hurry(self, seq: int) -> None:
+        """Asks the worker to report operation `seq` as soon as it completes."""
+
     def listen(
         self,
         on_results: Callable[[Completions], None],

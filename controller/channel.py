@@ -106,6 +106,13 @@ class ControllerEnd(asyncio.Protocol):
         for data in frames:
             self._transport.write(data)
 
+    def hurry(self, seq: int) -> None:
+        """Asks the worker to send operation `seq`'s completion as soon as it is made
+        (somebody waits for it); nothing if the channel is closed."""
+        transport = self._transport
+        if self._failed is None and transport is not None and not transport.is_closing():
+            transport.write(frame("hurry", seq))
+
     async def drain(self) -> None:
         if self._paused is not None:
             await asyncio.shield(self._paused)

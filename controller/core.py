@@ -533,6 +533,8 @@ class Controller:
             needs=[loaded, *(records or [self.arrays.get(h) for h in handles])],
         )
         ticket.settled = functools.partial(self._executed, gang, client, outputs)
+        for r in outputs:
+            r.producer = ticket
         return ticket, outputs
 
     @staticmethod
@@ -770,6 +772,7 @@ class Controller:
         pin_id = uuid.uuid4().hex
         started = time.perf_counter()
         ticket = self._submit(gang, "", lambda seq: PinOp(seq, handle, pin_id), needs=[record])
+        gang.dispatcher.hurry(ticket)
         try:
             error = await asyncio.wait_for(asyncio.shield(ticket.done), timeout_s)
         except TimeoutError:
@@ -1024,6 +1027,7 @@ class Controller:
         record.require_usable()
         pin_id = uuid.uuid4().hex
         ticket = self._submit(gang, "", lambda seq: PinOp(seq, handle, pin_id), needs=[record])
+        gang.dispatcher.hurry(ticket)
         started = time.perf_counter()
         unpinned = False  # reading takes the pieces (and the pin) off the workers
         try:
@@ -1073,6 +1077,9 @@ class Controller:
         pending = [
             asyncio.ensure_future(r.settled.wait()) for r in records if not r.settled.is_set()
         ]
+        for r in records:
+            if r.producer is not None:
+                self.get_gang(r.gang_id, usable=False).dispatcher.hurry(r.producer)
         if pending:
             _, still = await asyncio.wait(pending, timeout=timeout_s or None)
             for task in still:

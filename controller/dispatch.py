@@ -40,6 +40,8 @@ Broadcast = Callable[[list[Op]], Awaitable[None]]
 # the order they completed (which need not be sequence order), and the failure of its
 # channel to the second, once.
 Listen = Callable[[int, Callable[[Completions], None], Callable[[Exception], None]], None]
+# Asks worker `index` to report operation `seq` as soon as it completes.
+Hurry = Callable[[int, int], None]
 # Told about every settled operation: (op kind, seq, queued_ns, settled_ns, error).
 Observer = Callable[[str, int, int, int, "str | None"], None]
 
@@ -64,6 +66,8 @@ class Ticket:
     # Called with the outcome when the op settles, before anything awaiting `done` runs
     # (a callback on `done` would cost an event-loop turn per call).
     settled: Callable[[str | None], None] | None = None
+    sent: bool = False  # on its way to the workers
+    hurried: bool = False  # somebody waits for it (Dispatcher.hurry)
 
     def op_for(self, worker: int) -> Op:
         assert self.ops is not None
@@ -87,12 +91,15 @@ class Dispatcher:
         on_broken: Callable[[str], None] | None = None,
         observer: Observer | None = None,
         broadcast: Broadcast | None = None,
+        hurry: Hurry | None = None,
     ) -> None:
         self._send = send
         # For a batch whose operations are the same for every worker (nearly all are):
         # one encoding and no task per worker, the controller's cost per host per call.
         self._broadcast = broadcast
         self._listen = listen
+        self._hurry = hurry
+        self._hurried = 0  # hurried tickets not sent yet
         self._num_workers = num_workers
         self._name = name
         self._max_batch = max_batch
@@ -152,6 +159,20 @@ class Dispatcher:
             self._spawn(self._pump())
             for w in range(self._num_workers):
                 self._listen(w, functools.partial(self._completed, w), self._lost)
+
+    def hurry(self, ticket: Ticket) -> None:
+        """Somebody waits for this operation: the workers that have not reported it yet
+        are asked to report it as soon as it completes (while their queue is deep they
+        otherwise hold completions up to worker/channel.py's FLUSH_AFTER_DEEP_S). One
+        not sent yet is hurried once it is."""
+        if self._hurry is None or ticket.hurried or ticket.done.done():
+            return
+        ticket.hurried = True
+        if not ticket.sent:
+            self._hurried += 1
+            return
+        for w in ticket.waiting_for:
+            self._hurry(w, ticket.seq)
 
     def fail(self, reason: str) -> None:
         """The gang cannot go on (a worker stopped answering, a collective is stuck):
@@ -249,6 +270,15 @@ class Dispatcher:
             raise
         except Exception as exc:  # noqa: BLE001 - a worker died or the transport broke
             self._break(f"{type(exc).__name__}: {exc}")
+        else:
+            for item in batch:
+                item.sent = True
+            if self._hurried and self._hurry is not None:
+                for item in batch:
+                    if item.hurried:  # somebody waits for it: the workers hear so now
+                        self._hurried -= 1
+                        for w in item.waiting_for:
+                            self._hurry(w, item.seq)
         finally:
             self._sending -= 1
             self._wake.set()

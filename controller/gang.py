@@ -173,6 +173,7 @@ class Gang:
             on_broken=functools.partial(self._on_broken, epoch=self.epoch),
             observer=self._observe,
             broadcast=self._broadcast,
+            hurry=self._hurry,
         )
         for attachment, (_, weight) in self.attachments.items():
             dispatcher.set_weight(attachment, weight)
@@ -366,6 +367,9 @@ class Gang:
         return str(ray.util.get_node_ip_address())
 
     # -- running --------------------------------------------------------------------
+
+    def _hurry(self, worker: int, seq: int) -> None:
+        self._channels[worker].hurry(seq)
 
     async def _send(self, worker: int, ops: list[Op]) -> None:
         await self._channels[worker].send(ops)

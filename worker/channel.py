@@ -18,7 +18,9 @@ a JSON hello carrying the gang's secret token and epoch; the worker decodes no f
 a peer that has not shown the token it was created with (Ray hands it over). After that,
 each message is a length-prefixed frame of msgpack (slicewise/common/codec.py):
 
-    controller -> worker   ("submit", [op, ...])
+    controller -> worker   ("submit", [op, ...]), and ("hurry", seq) when somebody waits
+                           for operation seq: its completion goes out as soon as it is
+                           made, not with the next frame
     worker -> controller   ("ready", None) once, then ("done", Completions) as
                            operations complete (seqs and run times in columns), or
                            ("error", message) when a batch is refused (a reused sequence number: a controller bug), and
@@ -60,21 +62,21 @@ FLUSH_AT = 64
 # Step times are measured on the worker (OpResult.started_ns/finished_ns), so this delays
 # only when the controller hears of a completion, never what it reports.
 FLUSH_AFTER_S = 0.005
-# ... and while the queue on this worker is deep: at least DEEP_BACKLOG operations, or
-# at least LONG_BACKLOG with work for DEEP_QUEUE_S or more at the pace of the last
-# operation (a job's runner keeps ControllerOptions.steps_ahead, 4, steps queued beyond
-# the one it reads: fewer than LONG_BACKLOG, so it hears of each step within
-# FLUSH_AFTER_S however long its steps are). Then hearing later starves no one (the
-# controller refills its window long before the queue runs dry, and a worker that runs
-# dry flushes at once), and a client's stream of calls costs a frame per ~100 ms instead
-# of one per call or two. Each frame wakes the controller's event loop, which on the
+# ... and while the queue on this worker is deep: LONG_BACKLOG operations or more (a
+# job's runner keeps ControllerOptions.steps_ahead, 4, steps queued beyond the one it
+# reads: fewer than LONG_BACKLOG, so it hears of each step within FLUSH_AFTER_S however
+# long its steps are). Then hearing later starves no one: the controller refills its
+# window long before the queue runs dry, a worker that runs dry flushes at once, and a
+# completion somebody waits for (a client's wait or fetch) goes out as soon as it is
+# made, because the controller says so ("hurry"). A client's stream of calls costs a
+# frame per ~100 ms instead of one per call or two (until 2026-12-04 a queue of 8-63
+# short operations counted as shallow, so that a waiting client heard within 5 ms: the
+# last 64 calls of every stream went out in frames of 2 or 3, 5 ms apart). Each frame wakes the controller's event loop, which on the
 # 2-core simulation costs 100-300 us of CPU after a sleep (asyncio's own path; a
 # blocking recv costs 20-70 us; benchmarks/wakeups.py): at 3-ms calls the controller's
 # CPU per call went from 262 to 200 us with this bound at 0.1 s instead of 0.02 s, and
 # at 9-ms calls from 525 to 300 us.
-DEEP_BACKLOG = 64
 LONG_BACKLOG = 8
-DEEP_QUEUE_S = 0.5
 FLUSH_AFTER_DEEP_S = 0.1
 
 # How often a worker says it is alive, and where it is.
@@ -131,7 +133,10 @@ class WorkerEnd:
         # wake-up of the sender per frame cost the workers ~20 us of CPU per call at
         # 2.5-ms calls (its hand-over of the interpreter lock, on the 2-core simulation).
         self._sender_until = 0.0
-        self._last_op_ns = 0  # how long the last operation completed took to run
+        # The controller waits for the completion of this operation (0: of none): it goes
+        # out as soon as it is made, on the thread that made it.
+        self._hurry_to = 0
+        self._last_seq = 0  # the newest operation completed here
         # `completed` takes the lock itself: `with` on a Condition is two calls in Python.
         self._lock = threading.Lock()
         self._cond = threading.Condition(self._lock)
@@ -158,13 +163,29 @@ class WorkerEnd:
             seqs.append(seq)
             self._started.append(started_ns)
             self._finished.append(finished_ns)
-            self._last_op_ns = finished_ns - started_ns
+            if seq > self._last_seq:
+                self._last_seq = seq
             if len(seqs) == 1:
                 now = self._first_done = time.monotonic()
                 if self._sender_until > now + FLUSH_AFTER_S:
                     self._cond.notify()  # the sender times the bound from here
             elif len(seqs) >= FLUSH_AT:
                 self._cond.notify()
+            if not self._hurry_to or seq < self._hurry_to:
+                return
+            self._hurry_to = 0  # operations complete in order: what it waits for is done
+        self.flush()
+
+    def hurry(self, seq: int) -> None:
+        """The controller waits for operation `seq`: its completion goes out as soon as
+        it is made (at once, if it was made and is still queued here)."""
+        with self._lock:
+            if seq > self._last_seq:
+                self._hurry_to = max(self._hurry_to, seq)
+                return
+            if not self._seqs or self._seqs[0] > seq:
+                return  # sent already (completions are queued in the order they are made)
+        self.flush()
 
     def _take(self) -> Completions:
         """The completions queued, as one frame's worth; the queue is left empty (under
@@ -225,7 +246,10 @@ class WorkerEnd:
             beater.start()
             while True:
                 length = frame_length(_recv_exact(conn, LENGTH.size))
-                _, ops = unframe(_recv_exact(conn, length), TO_WORKER)  # only "submit"
+                kind, ops = unframe(_recv_exact(conn, length), TO_WORKER)
+                if kind == "hurry":
+                    self.hurry(ops)
+                    continue
                 self.counts["frames_in"] += 1
                 self.counts["ops_in"] += len(ops)
                 try:
@@ -283,10 +307,7 @@ class WorkerEnd:
     def _deep(self) -> bool:
         """Whether the queue here is deep enough to hold completions longer (see
         FLUSH_AFTER_DEEP_S); under `_cond`."""
-        backlog = self._backlog()
-        return backlog >= DEEP_BACKLOG or (
-            backlog >= LONG_BACKLOG and backlog * self._last_op_ns >= DEEP_QUEUE_S * 1e9
-        )
+        return self._backlog() >= LONG_BACKLOG
 
     def _send_batch(self, conn: socket.socket, done: Completions) -> bool:
         """Sends one frame of completions; False (and the connection shut) if it failed.

@@ -418,7 +418,12 @@ class Messages:
         self.decoders = {kind: _decoder(tp) for kind, tp in kinds.items()}
 
 
-TO_WORKER = Messages({"submit": list[Op]})
+TO_WORKER = Messages(
+    {
+        "submit": list[Op],
+        "hurry": int,  # the controller waits for this operation's completion
+    }
+)
 TO_CONTROLLER = Messages(
     {
         "ready": None,

@@ -105,6 +105,7 @@ class FakeChannel:
     def __init__(self, name: str) -> None:
         self.name = name
         self.sent: list[Op] = []
+        self.hurried: list[int] = []  # the operations the controller said it waits for
         self.closed = False
         self.progress: dict[str, Any] = {}
         # Operations of these types stay in flight until `complete_held()`.
@@ -130,6 +131,9 @@ class FakeChannel:
 
     async def drain(self) -> None:
         return None
+
+    def hurry(self, seq: int) -> None:
+        self.hurried.append(seq)
 
     def complete_held(self) -> None:
         """Completes the held operations (see `hold`)."""

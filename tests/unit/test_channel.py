@@ -334,21 +334,19 @@ def test_completions_go_out_unflushed_also_while_the_backlog_is_deep():
 
 
 @pytest.mark.parametrize(
-    ("backlog", "last_op_s", "deep"),
+    ("backlog", "deep"),
     [
-        (64, 0.0, True),
-        (63, 0.001, False),
-        (8, 0.0625, True),
-        (8, 0.06, False),
-        (5, 0.2, False),  # a job's runner: 4 steps ahead of the one it reads, however long
-        (0, 10.0, False),
+        (8, True),
+        (10_000, True),
+        (7, False),
+        (5, False),  # a job's runner: 4 steps ahead of the one it reads, however long
+        (0, False),
     ],
 )
-def test_the_queue_is_deep_by_count_or_by_the_time_its_work_takes(backlog, last_op_s, deep):
-    """Completions are held longer while the queue is deep: DEEP_BACKLOG operations, or
-    LONG_BACKLOG with DEEP_QUEUE_S of work at the pace of the last operation completed."""
+def test_the_queue_is_deep_from_LONG_BACKLOG_operations(backlog, deep):
+    """Completions are held longer (FLUSH_AFTER_DEEP_S) while LONG_BACKLOG operations or
+    more are queued here; what somebody waits for is hurried (see the hurry tests)."""
     end = WorkerEnd(TOKEN, 1, lambda ops: None, backlog=lambda: backlog)
-    end.completed(OpResult(1, None, None, 10**9, 10**9 + int(last_op_s * 1e9)))
     with end._cond:
         assert end._deep() is deep
 
@@ -393,6 +391,38 @@ def test_a_completion_after_a_flush_keeps_its_bound_while_the_sender_timed_a_lon
 
     try:
         assert run(scenario()) == ([1], [2])
+    finally:
+        worker.close()
+
+
+@pytest.mark.parametrize("when", ["before", "after"])
+def test_a_hurried_completion_goes_out_at_once_though_the_queue_is_deep(when, monkeypatch):
+    """The controller says it waits for an operation (a client's wait or fetch): its
+    completion goes out as soon as it is made ("before"), or at once if it was made and
+    is still held ("after"), though the deep queue's bound is longer than the test waits
+    and the executor never says it is idle."""
+    monkeypatch.setattr(worker_channel, "FLUSH_AFTER_DEEP_S", 10 * TIMEOUT)
+    worker = Worker(flush=False, backlog=lambda: 10_000)
+
+    async def scenario():
+        channel = await ControllerEnd.connect(worker.server.address, TOKEN, 1, "host 0")
+        if when == "before":
+            channel.hurry(2)
+        await channel.send([DeleteOp(seq, ()) for seq in (1, 2)])
+        if when == "after":
+            wait_until(
+                lambda: worker.end._seqs == [1, 2],
+                timeout_s=TIMEOUT,
+                what="the completions to be held",
+                interval_s=0.01,
+            )
+            channel.hurry(1)
+        seqs = await asyncio.wait_for(receive_all(channel, 2), TIMEOUT)
+        channel.close()
+        return seqs
+
+    try:
+        assert run(scenario()) == [1, 2]
     finally:
         worker.close()
 

@@ -452,3 +452,61 @@ def test_a_frame_of_plain_failed_and_reporting_completions_settles_each_in_its_o
     assert settled == [seqs[2], seqs[0], seqs[3], seqs[1]]
     assert [t.values for t in tickets] == [None, None, None, (1.5, "x")]
     assert [t.ran for t in tickets] == [{0: (3, 4)}, {0: (7, 8)}, {0: (1, 2)}, {0: (5, 6)}]
+
+
+def test_a_hurried_operation_is_hurried_on_the_workers_that_have_not_reported_it():
+    """Somebody waits for an operation: each worker still running it is asked to report
+    it at once; one that reported it already is not, nor is an operation that settled."""
+
+    async def scenario():
+        workers = FakeWorkers(2, hold=True)
+        hurried = []
+        dispatcher = Dispatcher(
+            workers.send, workers.listen, 2, hurry=lambda w, seq: hurried.append((w, seq))
+        )
+        tickets = [dispatcher.submit(delete) for _ in range(3)]
+        await until(lambda: len(workers.queued[1]) == 3)
+        workers.finish(0, 2)  # worker 0 reported ops 1 and 2
+        await until(lambda: 0 not in tickets[1].waiting_for)
+        dispatcher.hurry(tickets[1])
+        dispatcher.hurry(tickets[1])  # once is enough
+        workers.finish(0)
+        workers.finish(1)
+        await asyncio.gather(*(t.done for t in tickets))
+        dispatcher.hurry(tickets[2])  # settled: nobody to ask
+        await dispatcher.close("done")
+        return hurried
+
+    assert run(scenario()) == [(1, 2)]
+
+
+def test_an_operation_hurried_before_it_was_sent_is_hurried_once_it_is():
+    async def scenario():
+        workers = FakeWorkers(2, hold=True)
+        hurried = []
+        dispatcher = Dispatcher(
+            workers.send,
+            workers.listen,
+            2,
+            max_in_flight=1,
+            hurry=lambda w, seq: hurried.append((w, seq, workers.seqs(w)[-1])),
+        )
+        first = dispatcher.submit(delete)
+        second = dispatcher.submit(delete)  # waits for room: not numbered, not sent
+        assert second.seq == 0
+        dispatcher.hurry(second)
+        await until(lambda: len(workers.queued[0]) == len(workers.queued[1]) == 1)
+        assert hurried == []
+        workers.finish(0)
+        workers.finish(1)
+        await first.done
+        await until(lambda: len(hurried) == 2)  # within run()'s timeout
+        snapshot = list(hurried)
+        workers.finish(0)
+        workers.finish(1)
+        await second.done
+        await dispatcher.close("done")
+        return snapshot
+
+    # Each worker was asked once the operation had been sent to it, and not before.
+    assert run(scenario()) == [(0, 2, 2), (1, 2, 2)]
