@@ -56,12 +56,12 @@ class ArrayRecord:
     # Operations queued to read it and not numbered yet (dispatch.Ticket): a delete must
     # come after them, even when another client of a shared gang queued them.
     readers: list[Any] = field(default_factory=list, repr=False)
-    # The operation that makes it (dispatch.Ticket), until it settles: a wait for the
-    # array asks the workers to report that operation at once (Dispatcher.hurry).
-    producer: Any = field(default=None, repr=False)
+    # Until it settles: asks the workers to report the operation that makes it as soon
+    # as it completes (Dispatcher.hurry), for a wait.
+    hurry: Callable[[], None] | None = field(default=None, repr=False)
 
     def settle(self, error: str | None) -> None:
-        self.producer = None
+        self.hurry = None
         if self.state is ArrayState.PENDING:
             self.state = ArrayState.FAILED if error else ArrayState.READY
             self.error = error or ""

@@ -533,8 +533,9 @@ class Controller:
             needs=[loaded, *(records or [self.arrays.get(h) for h in handles])],
         )
         ticket.settled = functools.partial(self._executed, gang, client, outputs)
+        hurry = functools.partial(gang.dispatcher.hurry, ticket)
         for r in outputs:
-            r.producer = ticket
+            r.hurry = hurry
         return ticket, outputs
 
     @staticmethod
@@ -1078,8 +1079,8 @@ class Controller:
             asyncio.ensure_future(r.settled.wait()) for r in records if not r.settled.is_set()
         ]
         for r in records:
-            if r.producer is not None:
-                self.get_gang(r.gang_id, usable=False).dispatcher.hurry(r.producer)
+            if r.hurry is not None:
+                r.hurry()
         if pending:
             _, still = await asyncio.wait(pending, timeout=timeout_s or None)
             for task in still:

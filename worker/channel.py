@@ -71,11 +71,12 @@ FLUSH_AFTER_S = 0.005
 # made, because the controller says so ("hurry"). A client's stream of calls costs a
 # frame per ~100 ms instead of one per call or two (until 2026-12-04 a queue of 8-63
 # short operations counted as shallow, so that a waiting client heard within 5 ms: the
-# last 64 calls of every stream went out in frames of 2 or 3, 5 ms apart). Each frame wakes the controller's event loop, which on the
-# 2-core simulation costs 100-300 us of CPU after a sleep (asyncio's own path; a
-# blocking recv costs 20-70 us; benchmarks/wakeups.py): at 3-ms calls the controller's
-# CPU per call went from 262 to 200 us with this bound at 0.1 s instead of 0.02 s, and
-# at 9-ms calls from 525 to 300 us.
+# last 64 calls of every stream went out in frames of 2 or 3, 5 ms apart). Each frame
+# wakes the controller's event loop, which on the 2-core simulation costs 100-300 us of
+# CPU after a sleep (asyncio's own path; a blocking recv costs 20-70 us;
+# benchmarks/wakeups.py): at 3-ms calls the controller's CPU per call went from 262 to
+# 200 us with this bound at 0.1 s instead of 0.02 s, and at 9-ms calls from 525 to
+# 300 us.
 LONG_BACKLOG = 8
 FLUSH_AFTER_DEEP_S = 0.1
 
@@ -246,10 +247,11 @@ class WorkerEnd:
             beater.start()
             while True:
                 length = frame_length(_recv_exact(conn, LENGTH.size))
-                kind, ops = unframe(_recv_exact(conn, length), TO_WORKER)
+                kind, payload = unframe(_recv_exact(conn, length), TO_WORKER)
                 if kind == "hurry":
-                    self.hurry(ops)
+                    self.hurry(payload)
                     continue
+                ops = payload
                 self.counts["frames_in"] += 1
                 self.counts["ops_in"] += len(ops)
                 try:

@@ -269,3 +269,22 @@ def test_request_bytes_that_do_not_parse_are_refused_as_invalid_argument(streami
     assert "not a valid request message (DecodeError" in details
     assert "protos/controller.proto" in details
     assert not isinstance(good, MalformedMessage)  # valid bytes parse as before
+
+
+def test_a_fetch_hurries_its_pin_on_the_workers():
+    """A fetch waits for its pin: the workers are asked to report it as soon as it ran,
+    however deep their queue."""
+
+    async def scenario():
+        controller, _, record, channel, _ = await one_ready_array()
+        channel.hold = (PinOp,)
+        with pytest.raises(DeadlineError):
+            await controller.fetch(record.handle, timeout_s=0.001)
+        await until(lambda: pins_sent(channel))
+        pins = [op.seq for op in channel.sent if isinstance(op, PinOp)]
+        hurried = list(channel.hurried)
+        channel.complete_held()
+        return pins, hurried
+
+    pins, hurried = run(scenario())
+    assert hurried == pins and len(pins) == 1

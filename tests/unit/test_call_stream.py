@@ -215,3 +215,32 @@ def test_runs_a_program_cannot_make_are_refused(plus_one, repeat, why):
     assert len(refused) == 1 and isinstance(refused[0][1], InvalidRequestError)
     assert why in str(refused[0][1])
     assert record.state is ArrayState.FAILED and why in record.error
+
+
+def test_a_wait_hurries_the_calls_it_waits_for_and_no_other(plus_one):
+    """The workers hold completions while their queue is deep; a wait for an output asks
+    each of them to report the call that makes it as soon as it completes."""
+
+    async def scenario() -> tuple[list[int], list[int], int]:
+        controller, gang_id, program, x = await gang_with(plus_one)
+        channel = controller.test_cluster.channels[0]  # type: ignore[attr-defined]
+        channel.hold = (ExecOp,)
+        a, b = f"{gang_id}/cq7.1", f"{gang_id}/cq7.2"
+        controller.stream_calls(gang_id, [(program, [x], [a]), (program, [a], [b])])
+        await until(lambda: sum(isinstance(op, ExecOp) for op in channel.sent) == 2)
+        waited = await controller.wait([a], 0.001)  # times out: the calls are held
+        state = waited[0].state
+        calls = [op.seq for op in channel.sent if isinstance(op, ExecOp)]
+        hurried = list(channel.hurried)
+        channel.complete_held()
+        await controller.wait([a, b], 10)
+        return calls, hurried, state
+
+    calls, hurried, state = run(scenario())
+    assert hurried == [calls[0]]  # a's call, not b's
+    assert state is ArrayState.PENDING
+
+
+async def until(condition: Any) -> None:
+    while not condition():
+        await asyncio.sleep(0.001)
