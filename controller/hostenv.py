@@ -28,7 +28,18 @@ def simulated_host_env(placement: HostPlacement) -> dict[str, str]:
     """CPU XLA with one device per simulated chip, and quiet logs."""
     return {
         "JAX_PLATFORMS": "cpu",
-        "XLA_FLAGS": f"--xla_force_host_platform_device_count={placement.chips_per_host}",
+        # Eigen single-threaded within each op: a simulated chip is one device, and the
+        # host's devices already run side by side. Eigen's own pool of a thread per core
+        # spins while it waits for work, taking cores from the other devices, the other
+        # host processes and the controller on the same machine: on the 2-core VM the
+        # workers spent 100-140 us more of it per 2-ms call when calls came from the
+        # controller than in their own loop; without it, -75 to +8 us, and OpByOp went
+        # from 0.87-0.92 to 0.96-0.97 of multi-controller (/tmp harness, four paired
+        # runs, 2026-12-04). The baselines' actors get the same flags.
+        "XLA_FLAGS": (
+            f"--xla_force_host_platform_device_count={placement.chips_per_host} "
+            "--xla_cpu_multi_thread_eigen=false"
+        ),
         "TF_CPP_MIN_LOG_LEVEL": "2",
         # XLA's in-process threads would otherwise assume every core is theirs.
         "OMP_NUM_THREADS": "1",

@@ -3,6 +3,7 @@
 import os
 import platform
 import subprocess
+import sys
 
 import grpc
 import numpy as np
@@ -109,6 +110,21 @@ def test_simulated_env_gives_the_host_one_cpu_device_per_chip():
     env = simulated_host_env(HostPlacement(0, 0, 1, 1, 8))
     assert env["JAX_PLATFORMS"] == "cpu"
     assert "--xla_force_host_platform_device_count=8" in env["XLA_FLAGS"].split()
+
+
+def test_xla_accepts_the_simulated_hosts_flags():
+    """A process started with the simulated host's environment has its devices: XLA
+    aborts on a flag it does not know, so a misspelt one fails here, not in a gang."""
+    env = simulated_host_env(HostPlacement(0, 0, 1, 1, 4))
+    run = subprocess.run(
+        [sys.executable, "-c", "import jax; print(len(jax.devices()), jax.default_backend())"],
+        env={**os.environ, **env},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.split() == ["4", "cpu"], run.stdout
 
 
 LOADERS = ("/lib64/ld-linux-x86-64.so.2", "/lib/ld-linux-aarch64.so.1")
