@@ -19,7 +19,10 @@ shared VM's speed drifts by tens of percent within a minute).
 Then the paper's Figure 6 sweep: the computation made longer (0.1 ms to ~100 ms of
 per-device work) to find the shortest computation for which slicewise's OpByOp
 throughput reaches 95% of multi-controller JAX (the paper reports 2.3 ms at 16 hosts);
-at each length the ratio is the median of such rounds, each measuring both.
+at each length the ratio is the median of such rounds, each measuring both (more of them
+within a factor of 2 of 2.3 ms, where the break-even falls). The break-even is given as
+the paper defines it, the shortest length reaching 95%, and as the shortest from which
+every longer length measured reaches it too.
 
 It also prints where each OpByOp call's CPU goes (client, controller, workers; the
 workers' by thread, against their own cost when they run the loop themselves, flat out
@@ -161,7 +164,9 @@ def run(quick: bool = False) -> dict[str, Any]:
 
     n = 200 if quick else 1000
     reps = 2 if quick else 6
-    lengths = [0, 30, 300] if quick else [0, 3, 10, 30, 100, 300, 1000, 3000]
+    # Denser around the paper's 2.3 ms (3 to 10 iterations: about 2 to 3 ms here), where
+    # the break-even falls: with 3 and 10 alone it could only be told as 2.1 or 2.7 ms.
+    lengths = [0, 30, 300] if quick else [0, 3, 5, 7, 10, 30, 100, 300, 1000, 3000]
     out: dict[str, Any] = {
         "config": {
             "sim": SIM,
@@ -260,10 +265,11 @@ def run(quick: bool = False) -> dict[str, Any]:
             program(x).block_until_ready()
             mc_rate = multi_controller(program, 20)
             calls = int(min(n, max(20, 1.5 * mc_rate)))  # about 1.5 s per measurement
+            rounds = _sweep_rounds(reps, 1e3 / mc_rate, quick)
             # Both sides' CPU, summed over their rounds: what each call costs at this length.
             meters = {side: CpuMeter(pids) for side in SWEEP_SIDES}
             paired = _interleaved(
-                reps,
+                rounds,
                 {
                     "multi_controller": functools.partial(
                         _metered, meters["multi_controller"], multi_controller, program, calls
@@ -280,7 +286,7 @@ def run(quick: bool = False) -> dict[str, Any]:
                     "work_iters": iters,
                     "length_ms": 1e3 / mc_rate,
                     "calls": calls,
-                    "rounds": reps,
+                    "rounds": rounds,
                     "slicewise": float(np.median(paired["slicewise"])),
                     "multi_controller": mc_rate,
                     "ratio": float(np.median(ratios)),
@@ -289,7 +295,7 @@ def run(quick: bool = False) -> dict[str, Any]:
                     **length_cpu(
                         {side: m.used for side, m in meters.items()},
                         {side: m.wall_s for side, m in meters.items()},
-                        calls * reps,
+                        calls * rounds,
                     ),
                 }
             )
@@ -330,8 +336,7 @@ def run(quick: bool = False) -> dict[str, Any]:
         os.cpu_count() or 1,
         float(np.median(_round_ratios(rates, "plain_ray_pipelined", "multi_controller"))),
     )
-    reached = [p["length_ms"] for p in sweep if p["ratio"] >= BREAK_EVEN]
-    out["break_even_ms"] = min(reached) if reached else None
+    out.update(break_even(sweep))
     out["break_even_from_cpu"] = break_even_from_cpu(sweep, PAPER_BREAK_EVEN_MS)
     return out
 
@@ -372,6 +377,36 @@ def cpu_bound(
 SWEEP_SIDES = ("multi_controller", "slicewise")
 BREAK_EVEN = 0.95  # the share of multi-controller's throughput that counts as reaching it
 PAPER_BREAK_EVEN_MS = 2.3  # Barham et al., 2022, Fig. 6: 16 hosts
+# Rounds at the lengths within a factor of NEAR of the paper's break-even: one round's
+# ratio there ranges over 0.8-1.1 on the 2-core VM (paired runs of 2.3-ms calls,
+# 2026-12-05), so the median of 6 moves by a few hundredths from run to run, as much
+# as the margin being told.
+NEAR = 2.0
+NEAR_ROUNDS = 10
+
+
+def _sweep_rounds(reps: int, length_ms: float, quick: bool) -> int:
+    """Rounds for one length of the sweep: more near the paper's break-even."""
+    near = 1 / NEAR <= length_ms / PAPER_BREAK_EVEN_MS <= NEAR
+    return max(reps, NEAR_ROUNDS) if near and not quick else reps
+
+
+def break_even(sweep: list[dict[str, Any]]) -> dict[str, float | None]:
+    """The break-even of the sweep two ways: `break_even_ms`, the shortest length whose
+    ratio reaches BREAK_EVEN (the paper's definition), and `break_even_sustained_ms`,
+    the shortest from which every longer length measured reaches it too (one round's
+    luck at a single length does not make it)."""
+    points = sorted(sweep, key=lambda p: p["length_ms"])
+    reached = [p["length_ms"] for p in points if p["ratio"] >= BREAK_EVEN]
+    sustained = None
+    for p in reversed(points):
+        if p["ratio"] < BREAK_EVEN:
+            break
+        sustained = p["length_ms"]
+    return {
+        "break_even_ms": min(reached) if reached else None,
+        "break_even_sustained_ms": sustained,
+    }
 
 
 def length_cpu(
@@ -581,7 +616,9 @@ def report(result: dict[str, Any]) -> str:
             + (f" ({p['ratio_min']:.2f}-{p['ratio_max']:.2f})" if "ratio_min" in p else "")
             for p in result["sweep"]
         ),
-        f"break-even (>= 95% of multi-controller): {_length(result['break_even_ms'])}",
+        f"break-even (>= 95% of multi-controller): {_length(result['break_even_ms'])}; "
+        "from there on at every longer length: "
+        f"{_length(result.get('break_even_sustained_ms'))}",
     ]
     by_cpu = [p for p in result["sweep"] if "ratio_from_cpu" in p]
     if by_cpu:

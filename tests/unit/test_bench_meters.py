@@ -12,6 +12,8 @@ from benchmarks.common import CpuMeter, ThreadCpuMeter, cpu_seconds, thread_cpu_
 from benchmarks.dispatch import (
     NATIVE,
     _interleaved,
+    _sweep_rounds,
+    break_even,
     break_even_from_cpu,
     cpu_bound,
     length_cpu,
@@ -157,6 +159,30 @@ def test_the_break_even_by_cpu_is_read_off_the_sweep_at_the_papers_length():
         {"client": 50.0, "controller": 150.0, "workers": 300.0}
     )
     assert break_even_from_cpu([{"length_ms": 1.0, "ratio": 0.5}], 2.0) is None
+
+
+def test_the_break_even_is_the_shortest_length_reaching_95_percent_and_where_it_holds_on():
+    sweep = [
+        {"length_ms": length, "ratio": ratio}
+        for length, ratio in [(4.0, 0.96), (1.0, 0.8), (2.0, 0.951), (3.0, 0.94), (8.0, 0.99)]
+    ]
+    # 2 ms reached it, 3 ms did not: held on from 4 ms (the sweep's order does not matter).
+    assert break_even(sweep) == {"break_even_ms": 2.0, "break_even_sustained_ms": 4.0}
+    sweep[-1]["ratio"] = 0.9  # the longest fell short: it never holds on
+    assert break_even(sweep) == {"break_even_ms": 2.0, "break_even_sustained_ms": None}
+    assert break_even([{"length_ms": 1.0, "ratio": 0.5}]) == {
+        "break_even_ms": None,
+        "break_even_sustained_ms": None,
+    }
+
+
+def test_lengths_near_the_papers_break_even_get_more_rounds_unless_quick():
+    assert _sweep_rounds(6, 2.3, quick=False) == 10
+    assert _sweep_rounds(6, 4.5, quick=False) == 10  # within a factor of 2 of 2.3 ms
+    assert _sweep_rounds(6, 1.1, quick=False) == 6
+    assert _sweep_rounds(6, 5.0, quick=False) == 6
+    assert _sweep_rounds(2, 2.3, quick=True) == 2
+    assert _sweep_rounds(12, 2.3, quick=False) == 12
 
 
 def test_every_way_of_waking_is_measured_in_a_process_of_its_own_and_reported():
