@@ -50,6 +50,25 @@ def machine() -> dict[str, Any]:
     }
 
 
+def interleaved(rounds: int, measures: dict[str, Callable[[], float]]) -> dict[str, list[float]]:
+    """Each measure's value (a rate, or seconds) in every round. A round runs every measure
+    once, back to back, in the order given, and the next round in the reverse order: on
+    this shared VM the speed drifts by tens of percent within a minute, so two values are
+    compared within a round (where they were measured moments apart) and a steady drift
+    cancels over a pair of rounds."""
+    values: dict[str, list[float]] = {name: [] for name in measures}
+    for r in range(rounds):
+        for name in list(measures) if r % 2 == 0 else list(reversed(measures)):
+            values[name].append(measures[name]())
+    return values
+
+
+def round_ratios(values: dict[str, list[float]], top: str, bottom: str) -> list[float]:
+    """`top` over `bottom` in each round of `interleaved`'s values: for rates, ours over
+    the baseline's; for seconds, the baseline's over ours."""
+    return [a / b for a, b in zip(values[top], values[bottom], strict=True)]
+
+
 def summarize(samples: Sequence[float]) -> dict[str, float]:
     """Median, min, max, p99 and count of a list of measurements."""
     ordered = sorted(samples)

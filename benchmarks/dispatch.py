@@ -49,6 +49,8 @@ from benchmarks import wakeups
 from benchmarks.common import (
     CpuMeter,
     ThreadCpuMeter,
+    interleaved,
+    round_ratios,
     sim_controller,
     write_result,
 )
@@ -118,19 +120,6 @@ def _fused(program: Any, x: Any, calls: int) -> float:
     return CHAIN * _opbyop_async(program, x, calls)
 
 
-def _interleaved(rounds: int, measures: dict[str, Any]) -> dict[str, list[float]]:
-    """Each measure's rate in every round. A round runs every measure once, back to back,
-    in the order given, and the next round in the reverse order: on this shared VM the
-    speed drifts by tens of percent within a minute, so two rates are compared within a
-    round (where they were measured moments apart) and a steady drift cancels over a
-    pair of rounds."""
-    rates: dict[str, list[float]] = {name: [] for name in measures}
-    for r in range(rounds):
-        for name in list(measures) if r % 2 == 0 else list(reversed(measures)):
-            rates[name].append(measures[name]())
-    return rates
-
-
 def _metered(meter: CpuMeter, measure: Any, *args: Any) -> float:
     """`measure(*args)`, a rate, with `meter` counting the CPU it takes."""
     with meter:
@@ -139,10 +128,6 @@ def _metered(meter: CpuMeter, measure: Any, *args: Any) -> float:
 
 def _summary(values: list[float]) -> dict[str, float]:
     return {"median": float(np.median(values)), "min": min(values), "max": max(values)}
-
-
-def _round_ratios(rates: dict[str, list[float]], ours: str, theirs: str) -> list[float]:
-    return [a / b for a, b in zip(rates[ours], rates[theirs], strict=True)]
 
 
 # Each headline ratio: (ours, the baseline it is measured against), as rates' names.
@@ -206,7 +191,7 @@ def run(quick: bool = False) -> dict[str, Any]:
             "workers": [w.pid for w in workers],
         }
         # CPU is read in clock ticks (10 ms): enough calls for a few hundred of them,
-        # in rounds that take turns (see _interleaved), each meter summing its rounds.
+        # in rounds that take turns (see common.interleaved), each meter summing its rounds.
         budget = {run: CpuMeter(pids) for run in BUDGET_RUNS}
         threads = {run: ThreadCpuMeter(pids["workers"]) for run in BUDGET_RUNS}
         chunk = BUDGET_CALLS // BUDGET_ROUNDS
@@ -225,9 +210,7 @@ def run(quick: bool = False) -> dict[str, Any]:
             done[run] += chunk
             return 0.0
 
-        _interleaved(
-            BUDGET_ROUNDS, {run: functools.partial(budget_run, run) for run in BUDGET_RUNS}
-        )
+        interleaved(BUDGET_ROUNDS, {run: functools.partial(budget_run, run) for run in BUDGET_RUNS})
         thread_names = driver.worker_thread_names(actors)
 
         nodes = [
@@ -241,7 +224,7 @@ def run(quick: bool = False) -> dict[str, Any]:
             GangShape(2, 1, 4), nodes, step.exported.serialize(), mesh.spec, zeros, (AXES,)
         )
         batches = max(1, 2 * n // CHAIN)  # about as long as n OpByOp calls
-        rates = _interleaved(
+        rates = interleaved(
             reps,
             {
                 "opbyop": lambda: _opbyop_async(step, x, n),
@@ -268,7 +251,7 @@ def run(quick: bool = False) -> dict[str, Any]:
             rounds = _sweep_rounds(reps, 1e3 / mc_rate, quick)
             # Both sides' CPU, summed over their rounds: what each call costs at this length.
             meters = {side: CpuMeter(pids) for side in SWEEP_SIDES}
-            paired = _interleaved(
+            paired = interleaved(
                 rounds,
                 {
                     "multi_controller": functools.partial(
@@ -279,7 +262,7 @@ def run(quick: bool = False) -> dict[str, Any]:
                     ),
                 },
             )
-            ratios = _round_ratios(paired, "slicewise", "multi_controller")
+            ratios = round_ratios(paired, "slicewise", "multi_controller")
             mc_rate = float(np.median(paired["multi_controller"]))
             sweep.append(
                 {
@@ -304,13 +287,13 @@ def run(quick: bool = False) -> dict[str, Any]:
     # What a wake-up costs a process here, by how it waits: the floor under the
     # controller's CPU per frame of completions (benchmarks/wakeups.py).
     out["wakeup_cpu_us"] = wakeups.run(count=50 if quick else wakeups.MESSAGES)
-    round_ratios = {name: _round_ratios(rates, *pair) for name, pair in RATIOS.items()}
+    by_round = {name: round_ratios(rates, *pair) for name, pair in RATIOS.items()}
     out["shapes"] = {name: _summary(rates[name]) for name in SHAPES}
     out["baselines"] = {name: _summary(rates[name]) for name in rates if name not in SHAPES}
     # Each ratio is the median of the rounds' ratios, each round's two rates measured
-    # moments apart (see _interleaved); the rounds' own are in round_ratios.
-    out["ratios"] = {name: float(np.median(values)) for name, values in round_ratios.items()}
-    out["round_ratios"] = round_ratios
+    # moments apart (see common.interleaved); the rounds' own are in round_ratios.
+    out["ratios"] = {name: float(np.median(values)) for name, values in by_round.items()}
+    out["round_ratios"] = by_round
     out["sweep"] = sweep
     out["controller_scaling"] = controller_scaling(quick)
     # CPU per computation, in microseconds, by where it is spent: slicewise's OpByOp
@@ -334,7 +317,7 @@ def run(quick: bool = False) -> dict[str, Any]:
         {run: meter.wall_s for run, meter in budget.items()},
         BUDGET_CALLS,
         os.cpu_count() or 1,
-        float(np.median(_round_ratios(rates, "plain_ray_pipelined", "multi_controller"))),
+        float(np.median(round_ratios(rates, "plain_ray_pipelined", "multi_controller"))),
     )
     out.update(break_even(sweep))
     out["break_even_from_cpu"] = break_even_from_cpu(sweep, PAPER_BREAK_EVEN_MS)

@@ -8,10 +8,15 @@ import threading
 import pytest
 
 from benchmarks import wakeups
-from benchmarks.common import CpuMeter, ThreadCpuMeter, cpu_seconds, thread_cpu_seconds
+from benchmarks.common import (
+    CpuMeter,
+    ThreadCpuMeter,
+    cpu_seconds,
+    interleaved,
+    thread_cpu_seconds,
+)
 from benchmarks.dispatch import (
     NATIVE,
-    _interleaved,
     _sweep_rounds,
     break_even,
     break_even_from_cpu,
@@ -101,7 +106,7 @@ def test_rounds_alternate_their_order_and_keep_each_measures_rates():
 
         return run
 
-    rates = _interleaved(3, {"a": measure("a", 100), "b": measure("b", 200)})
+    rates = interleaved(3, {"a": measure("a", 100), "b": measure("b", 200)})
     assert calls == ["a", "b", "b", "a", "a", "b"]
     assert rates == {"a": [101, 104, 105], "b": [202, 203, 206]}
 
