@@ -16,15 +16,22 @@ v5litepod-4 hosts runs the dispatch benchmark's all-reduce program
               call the program, keep at most the window in flight, note each completion;
 
 in alternating rounds (benchmarks.common.interleaved), and prints each one's CPU per
-operation on the thread that runs it and in the whole process.
+operation on the thread that runs it and in the whole process, and each way's thread
+CPU beyond the own loop's as the median of the rounds' differences (steadier than the
+difference of the medians here). The program is compiled ahead and called as the
+executable itself, as a simulated gang's workers call it (they get a compilation cache
+directory; `JaxRuntime._execute`'s `direct`).
 
     python -m benchmarks.executor_overhead [--ops 1000] [--rounds 6] [--work-iters 0]
 
-Measured 2026-12-05 on the 2-core VM, three runs of the defaults: the executor's thread
-spent 39-71 us per operation more than the own loop's (109-162 against 70-91 us), the
-minimal loop 3-18 us more. Where the executor's surplus goes is not known yet: its
-straight-line Python adds up to about 15 us in `timeit`, and with the collector off it
-spent about 9 us less.
+Measured 2026-12-05 on the 2-core VM, 40 rounds: the executor's thread spent 44.6 us
+per operation beyond the own loop's, the minimal loop 4.2 us (with 6 or 12 rounds,
+runs of the same code read 39 to 71 us for the executor). Two trims, each worth 5-10 us
+in a stripped-down loop, made no difference measurable here: the buffer table without
+its lock, and an input's layout told by `is` after the first call (both together, 40
+rounds, minutes later: 43.4 us; not kept). In `timeit` each saves a few hundred
+nanoseconds; in place the executor pays several times its straight-line Python (about
+15 us in `timeit`) per operation, and with the collector off it spent about 9 us less.
 """
 
 from __future__ import annotations
@@ -32,6 +39,7 @@ from __future__ import annotations
 import argparse
 import functools
 import os
+import tempfile
 import threading
 import time
 from collections import deque
@@ -89,6 +97,7 @@ def run(ops: int = 1000, rounds: int = 6, work_iters: int = 0) -> dict[str, Any]
     from slicewise.common.mesh import GangShape, MeshSpec, ShardingSpec
     from slicewise.common.ops import DeleteOp, ExecOp, LoadOp
     from slicewise.common.trace import SpanRecorder
+    from worker import executables
     from worker.executor import InOrderExecutor
     from worker.runtime import JaxRuntime
 
@@ -104,7 +113,20 @@ def run(ops: int = 1000, rounds: int = 6, work_iters: int = 0) -> dict[str, Any]
     program = allreduce_add(mesh.abstract(), axes, work_iters=work_iters)
     serialized = bytes(jax.export.export(program, platforms=["cpu"])(aval).serialize())
     runtime.apply(LoadOp(1, "p", serialized, mesh, "allreduce_add"))
-    runtime.apply(ExecOp(2, "p", ("x0",), ("x",))).wait()
+    # A simulated gang's workers compile ahead into their cache directory (the controller
+    # gives them one) and then call the executable itself (`_Program.direct`): so does
+    # this runtime, its first call compiling into a directory of its own.
+    with tempfile.TemporaryDirectory() as cache:
+        previous = os.environ.get(executables.ENV_VAR)
+        os.environ[executables.ENV_VAR] = cache
+        try:
+            runtime.apply(ExecOp(2, "p", ("x0",), ("x",))).wait()
+        finally:
+            if previous is None:
+                del os.environ[executables.ENV_VAR]
+            else:
+                os.environ[executables.ENV_VAR] = previous
+    assert runtime._programs["p"].direct is not None, "the program was not compiled ahead"
 
     # The worker's on_done, less the channel: a span for later and a completion in columns.
     spans = SpanRecorder()
@@ -203,6 +225,14 @@ def run(ops: int = 1000, rounds: int = 6, work_iters: int = 0) -> dict[str, Any]
     # threads, one aborted the process ("terminate called ... exception not rethrown").
     runtime.buffers.delete(("x0", "x"))
     spans.remove({})
+    # Each way's thread CPU beyond the own loop's, the median of the rounds' differences:
+    # two ways of a round ran moments apart, so the VM's drift mostly cancels.
+    own = np.array([r[0] for r in measured.results["own loop"]])
+    beyond = {
+        way: float(np.median(np.array([r[0] for r in values]) - own))
+        for way, values in measured.results.items()
+        if way != "own loop"
+    }
     return {
         "ops": ops,
         "rounds": rounds,
@@ -218,6 +248,7 @@ def run(ops: int = 1000, rounds: int = 6, work_iters: int = 0) -> dict[str, Any]
             )
             for way, values in measured.results.items()
         },
+        "beyond_own_loop_us_per_op": beyond,
     }
 
 
@@ -231,6 +262,12 @@ def report(result: dict[str, Any]) -> str:
             f"  {way:9s} {m['thread_us_per_op']:6.1f} us/op on its thread, "
             f"{m['process_us_per_op']:6.1f} us/op in the process, {m['ops_per_s']:6.0f} ops/s"
         )
+    lines.append(
+        "  beyond the own loop on their threads (median of the rounds' differences): "
+        + ", ".join(
+            f"{way} {us:+.1f} us/op" for way, us in result["beyond_own_loop_us_per_op"].items()
+        )
+    )
     return "\n".join(lines)
 
 
