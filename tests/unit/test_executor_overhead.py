@@ -17,6 +17,5 @@ def test_each_way_is_measured_on_its_own_thread_in_every_round():
     for way, median in result["median"].items():
         # Each way made 40 calls of a real program: its thread used CPU for them.
         assert median["thread_us_per_op"] > 0, way
-        assert median["ops_per_s"] > 0, way
     assert set(result["beyond_own_loop_us_per_op"]) == {"executor", "minimal"}
     assert "own loop" in executor_overhead.report(result)
