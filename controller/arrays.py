@@ -49,7 +49,6 @@ class ArrayRecord:
     sharding: ShardingSpec | None = None
     state: ArrayState = ArrayState.PENDING
     error: str = ""
-    settled: asyncio.Event = field(default_factory=asyncio.Event, repr=False)
     # Its producing operation has its place in the gang's order, so later operations
     # that read it may be numbered.
     numbered: bool = False
@@ -59,13 +58,29 @@ class ArrayRecord:
     # Until it settles: asks the workers to report the operation that makes it as soon
     # as it completes (Dispatcher.hurry), for a wait.
     hurry: Callable[[], None] | None = field(default=None, repr=False)
+    # Set once settled; made only when somebody waits (`settled`): most arrays a stream
+    # of calls makes are settled and deleted with nobody waiting on them, and an
+    # asyncio.Event per call cost the controller a few microseconds per call.
+    _settled: asyncio.Event | None = field(default=None, repr=False)
+    _is_settled: bool = field(default=False, repr=False)
+
+    @property
+    def settled(self) -> asyncio.Event:
+        """Set once the array is settled (its producing operation completed or failed)."""
+        if self._settled is None:
+            self._settled = asyncio.Event()
+            if self._is_settled:
+                self._settled.set()
+        return self._settled
 
     def settle(self, error: str | None) -> None:
         self.hurry = None
         if self.state is ArrayState.PENDING:
             self.state = ArrayState.FAILED if error else ArrayState.READY
             self.error = error or ""
-        self.settled.set()
+        self._is_settled = True
+        if self._settled is not None:
+            self._settled.set()
 
     def require_usable(self) -> None:
         if self.state is ArrayState.FAILED:
@@ -199,7 +214,10 @@ class ArrayTable:
     def _forget_oldest_deleted(self) -> None:
         # Deletes come in handle order within a gang, mostly: the gang with the oldest
         # remembered handle goes first, one handle at a time.
-        oldest = min(self._deleted, key=lambda g: _number(next(iter(self._deleted[g]))))
+        if len(self._deleted) == 1:  # one gang (the usual case): no handle to parse
+            oldest = next(iter(self._deleted))
+        else:
+            oldest = min(self._deleted, key=lambda g: _number(next(iter(self._deleted[g]))))
         handles = self._deleted[oldest]
         del handles[next(iter(handles))]
         self._num_deleted -= 1

@@ -53,7 +53,6 @@ class Ticket:
     None when every worker completed it, or to the first error."""
 
     build: Callable[[int], Op | list[Op]]
-    done: asyncio.Future[str | None]
     client: str = ""
     seq: int = 0
     queued_ns: int = 0
@@ -68,6 +67,21 @@ class Ticket:
     settled: Callable[[str | None], None] | None = None
     sent: bool = False  # on its way to the workers
     hurried: bool = False  # somebody waits for it (Dispatcher.hurry)
+    finished: bool = False  # settled: every worker completed it, or it failed
+    outcome: str | None = None  # once finished: None, or the first error
+    # `done`, made only when somebody asks: a call's outcome reaches its outputs through
+    # `settled`, and a future per call cost the controller microseconds per call.
+    _done: asyncio.Future[str | None] | None = field(default=None, repr=False)
+
+    @property
+    def done(self) -> asyncio.Future[str | None]:
+        """Resolves to the outcome once the operation settles (made on first use, in the
+        running event loop)."""
+        if self._done is None:
+            self._done = asyncio.get_running_loop().create_future()
+            if self.finished:
+                self._done.set_result(self.outcome)
+        return self._done
 
     def op_for(self, worker: int) -> Op:
         assert self.ops is not None
@@ -143,8 +157,7 @@ class Dispatcher:
         """
         if self.broken is not None:
             raise GangBrokenError(f"{self._name} cannot run more work: {self.broken}")
-        done: asyncio.Future[str | None] = asyncio.get_running_loop().create_future()
-        ticket = Ticket(build, done, client, queued_ns=time.time_ns())
+        ticket = Ticket(build, client, queued_ns=time.time_ns())
         self._waiting.push(client, ticket, ready)
         self.dispatched += 1
         self.start()
@@ -165,7 +178,7 @@ class Dispatcher:
         are asked to report it as soon as it completes (while their queue is deep they
         otherwise hold completions up to worker/channel.py's FLUSH_AFTER_DEEP_S). One
         not sent yet is hurried once it is."""
-        if self._hurry is None or ticket.hurried or ticket.done.done():
+        if self._hurry is None or ticket.hurried or ticket.finished:
             return
         ticket.hurried = True
         if not ticket.sent:
@@ -315,9 +328,11 @@ class Dispatcher:
         self._break(f"{type(exc).__name__}: {exc}")
 
     def _settle(self, item: Ticket, error: str | None) -> None:
-        if item.done.done():
+        if item.finished:
             return
-        item.done.set_result(error)
+        item.finished, item.outcome = True, error
+        if item._done is not None:
+            item._done.set_result(error)
         if item.settled is not None:
             try:
                 item.settled(error)

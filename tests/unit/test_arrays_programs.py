@@ -1,5 +1,7 @@
 """The controller's array records and program registry, with real jax.export artifacts."""
 
+import asyncio
+
 import jax
 import jax.numpy as jnp
 import ml_dtypes
@@ -106,6 +108,25 @@ def test_an_input_is_looked_up_on_the_gang_of_its_call():
 def test_an_unknown_handle_is_reported_as_unknown():
     with pytest.raises(NotFoundError, match="'g9/a1' is unknown"):
         ArrayTable().get("g9/a1")
+
+
+def test_a_wait_made_before_or_after_an_array_settles_sees_it_settled():
+    """`ArrayRecord.settled` is made on first use: a waiter made before `settle` is
+    woken by it, and one made after finds it set."""
+
+    async def scenario():
+        table = ArrayTable()
+        early, late = table.new("g1", SPEC), table.new("g1", SPEC)
+        waiting = asyncio.ensure_future(early.settled.wait())
+        await asyncio.sleep(0)
+        early.settle(None)
+        late.settle("failed")
+        await asyncio.wait_for(waiting, 5)
+        return late.settled.is_set(), early.state, late.state
+
+    late_set, early_state, late_state = asyncio.run(scenario())
+    assert late_set is True
+    assert (early_state, late_state) == (ArrayState.READY, ArrayState.FAILED)
 
 
 def test_drop_gang_fails_pending_arrays_keeps_ready_ones_and_remembers_why():

@@ -174,6 +174,25 @@ def test_an_op_settles_only_when_every_worker_reported_it():
     assert result is None
 
 
+def test_done_asked_for_only_after_the_op_settled_holds_its_outcome():
+    """`Ticket.done` is made on first use: asked for after settling, it is already
+    resolved, to the error the op failed with."""
+
+    async def scenario():
+        workers = FakeWorkers(1, errors={(0, 1): "boom"})
+        dispatcher = Dispatcher(workers.send, workers.listen, 1)
+        ticket = dispatcher.submit(delete)
+        await until(lambda: ticket.finished)
+        done = ticket.done
+        resolved = done.done()
+        await dispatcher.close("done")
+        return resolved, done.result()
+
+    resolved, outcome = run(scenario())
+    assert resolved is True
+    assert "boom" in outcome
+
+
 def test_each_ops_settled_hook_hears_its_outcome_before_anyone_awaiting_it_runs():
     """`Ticket.settled` runs inside the settling (no event-loop turn per call); one that
     raises is logged and the other operations still settle."""
