@@ -497,11 +497,20 @@ class Gang:
             *(asyncio.wait_for(w.trace_spans(last=last), timeout_s) for w in self._workers),
             return_exceptions=True,
         )
-        return [
-            (name, spans)
-            for name, spans in zip(self.process_names(), replies, strict=True)
-            if not isinstance(spans, BaseException)
-        ]
+        collected = []
+        for name, spans in zip(self.process_names(), replies, strict=True):
+            if isinstance(spans, BaseException):
+                # Its track is missing from the timeline: say which, and why.
+                log.warning(
+                    "gang %s: no spans from %s (%s: %s)",
+                    self.gang_id,
+                    name,
+                    type(spans).__name__,
+                    spans or f"no answer in {timeout_s:g} s",
+                )
+            else:
+                collected.append((name, spans))
+        return collected
 
     async def stage(self, key: str, array: np.ndarray, indices: Sequence[Sequence[Index]]) -> None:
         """Sends every worker its pieces of `array` over the data ports, all in parallel
