@@ -506,7 +506,7 @@ class Gang:
                     self.gang_id,
                     name,
                     type(spans).__name__,
-                    spans or f"no answer in {timeout_s:g} s",
+                    str(spans) or f"no answer in {timeout_s:g} s",
                 )
             else:
                 collected.append((name, spans))
