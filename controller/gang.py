@@ -97,6 +97,7 @@ class Gang:
         self.loaded_programs: dict[str, Ticket] = {}
         self.data_addresses: list[str] = []
         self.spans = spans or SpanRecorder()
+        self._dispatch_spans = self.spans.describer(_dispatch_span)
         # Shared gangs: attachment id -> (client name, weight); programs run per attachment.
         self.shared_name = ""
         self.attachments: dict[str, tuple[str, float]] = {}
@@ -478,7 +479,11 @@ class Gang:
         self.spans.record_later(
             queued_ns // 1000,
             settled_ns // 1000,
-            functools.partial(_dispatch_span, self.gang_id, kind, seq, error),
+            self._dispatch_spans,
+            self.gang_id,
+            kind,
+            seq,
+            error,
         )
 
     def process_names(self) -> list[str]:

@@ -48,6 +48,9 @@ class HostWorker:
         self.process_id = process_id
         self.runtime = JaxRuntime(gang, process_id, window=window)
         self.spans = SpanRecorder()
+        # How the spans of calls and deletes are described when somebody reads them.
+        self._exec_spans = self.spans.describer(functools.partial(_describe_exec, self))
+        self._delete_spans = self.spans.describer(functools.partial(_describe_delete, self))
         self._token = token
         self._channel: WorkerEnd | None = None  # once the gang is formed
         self._stashes: dict[str, Any] = {}  # stash actors started here, by name
@@ -257,22 +260,54 @@ def _report_done(
     # The span is the interval the completion reports (what step times are made of).
     # Programs get a row of their own: their spans follow each other on the devices,
     # while the executor thread meanwhile applies the operations queued behind them.
-    describe = functools.partial(worker._describe, op, launched_ns, started_ns, error)
-    if isinstance(op, (ExecOp, DeleteOp)):
-        # The operations of every call: described only if somebody reads the timeline
-        # (they hold a few names; a LoadOp holds a program, kept for no span).
-        worker.spans.record_later(started_ns // 1000, finished_ns // 1000, describe)
-    else:
-        name, category, thread, args = describe()
-        worker.spans.record(
-            name, category, started_ns // 1000, finished_ns // 1000, thread=thread, **args
+    started_us, finished_us = started_ns // 1000, finished_ns // 1000
+    if type(op) is ExecOp:
+        # The operations of every call: described only if somebody reads the timeline,
+        # and kept meanwhile as a tuple of their names (see SpanRecorder).
+        worker.spans.record_later(
+            started_us,
+            finished_us,
+            worker._exec_spans,
+            op.seq,
+            op.program_id,
+            op.outputs,
+            launched_ns,
+            started_ns,
+            error,
         )
+    elif type(op) is DeleteOp:
+        worker.spans.record_later(
+            started_us, finished_us, worker._delete_spans, op.seq, launched_ns, started_ns, error
+        )
+    else:
+        name, category, thread, args = worker._describe(op, launched_ns, started_ns, error)
+        worker.spans.record(name, category, started_us, finished_us, thread=thread, **args)
     channel = worker._channel
     assert channel is not None  # operations only come through it
     if error is None and values is None:  # nearly all: no OpResult to make
         channel.ran(op.seq, started_ns, finished_ns)
     else:
         channel.completed(OpResult(op.seq, error, values, started_ns, finished_ns))
+
+
+def _describe_exec(
+    worker: HostWorker,
+    seq: int,
+    program_id: str,
+    outputs: tuple[str, ...],
+    launched_ns: int,
+    started_ns: int,
+    error: str | None,
+) -> tuple[str, str, str, dict[str, Any]]:
+    """A call's span, from what `_report_done` kept of it."""
+    return worker._describe(ExecOp(seq, program_id, (), outputs), launched_ns, started_ns, error)
+
+
+def _describe_delete(
+    worker: HostWorker, seq: int, launched_ns: int, started_ns: int, error: str | None
+) -> tuple[str, str, str, dict[str, Any]]:
+    """A delete's span, from what `_report_done` kept of it."""
+    return worker._describe(DeleteOp(seq, ()), launched_ns, started_ns, error)
 
 
 def _flush(worker: HostWorker) -> None:

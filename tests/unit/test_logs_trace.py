@@ -1,6 +1,7 @@
 """Structured log records and the Chrome trace format."""
 
 import asyncio
+import gc
 import json
 import logging
 
@@ -103,8 +104,10 @@ def test_a_span_recorded_for_later_is_described_only_when_read():
 
     recorder = SpanRecorder(capacity=10)
     recorder.record("put", "execute", 5, 7, thread="executor", gang="g1")
+    code = recorder.describer(describe)
+    assert recorder.describer(describe) == code  # one code per function
     for seq in range(3):
-        recorder.record_later(10 + seq, 12 + seq, lambda seq=seq: describe(seq))
+        recorder.record_later(10 + seq, 12 + seq, code, seq)
     assert described == []  # nothing formatted while nobody reads
     spans = recorder.spans(since_us=11)
     assert [(s.name, s.start_us, s.duration_us, s.thread) for s in spans] == [
@@ -113,3 +116,20 @@ def test_a_span_recorded_for_later_is_described_only_when_read():
     ]
     assert [s.name for s in recorder.remove(where={"gang": "g1", "seq": 0})] == ["execute 0"]
     assert [s.name for s in recorder.spans()] == ["put", "execute 1", "execute 2"]
+
+
+def test_spans_recorded_for_later_leave_the_collector_nothing_to_walk():
+    # A ring of spans of operations, one per operation, would otherwise be hundreds of
+    # thousands of objects that every full collection walks (see SpanRecorder).
+    def describe(gang, seq, outputs, error):
+        return "execute", "execute", "programs", {"gang": gang, "seq": seq}
+
+    recorder = SpanRecorder(capacity=10_000)
+    code = recorder.describer(describe)
+    gc.collect()
+    before = len(gc.get_objects())
+    for seq in range(5_000):
+        recorder.record_later(seq, seq + 1, code, "g1", seq, (f"g1/c.{seq}",), None)
+    gc.collect()
+    assert len(gc.get_objects()) - before < 1_000
+    assert recorder.spans(last=1)[0].args == {"gang": "g1", "seq": 4_999}
