@@ -297,12 +297,15 @@ class Controller:
             FailedPreconditionError: the gang cannot run work now (and why).
         """
         self.manager.check_usable(gang)
-        waiting = [n for n in needs if not _numbered(n)]
+        # What this client's own earlier calls make is numbered before this operation
+        # anyway (one client's operations keep their order): only the rest is waited for.
+        waiting = [n for n in needs if not _numbered(n) and not _made_by(n, client)]
         ready = (lambda: all(_numbered(n) for n in waiting)) if waiting else None
         ticket = gang.dispatcher.submit(build, client=client, ready=ready)
         for n in needs:
             if isinstance(n, ArrayRecord):
-                n.readers = [t for t in n.readers if t.seq == 0]
+                if n.readers:
+                    n.readers = [t for t in n.readers if t.seq == 0]
                 if ticket.seq == 0:
                     n.readers.append(ticket)
         return ticket
@@ -536,6 +539,7 @@ class Controller:
         hurry = functools.partial(gang.dispatcher.hurry, ticket)
         for r in outputs:
             r.hurry = hurry
+            r.made_by = client
         return ticket, outputs
 
     @staticmethod
@@ -1185,6 +1189,11 @@ def _check_repeat(program: Program, repeat: int) -> None:
 
 def _numbered(need: ArrayRecord | Ticket) -> bool:
     return need.numbered if isinstance(need, ArrayRecord) else need.seq > 0
+
+
+def _made_by(need: ArrayRecord | Ticket, client: str) -> bool:
+    """Whether `need` is an array a call of `client` queued makes (see ArrayRecord)."""
+    return isinstance(need, ArrayRecord) and need.made_by == client
 
 
 def _marking(records: Sequence[ArrayRecord], build: Callable[[int], Any]) -> Callable[[int], Any]:
