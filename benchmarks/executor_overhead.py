@@ -135,15 +135,15 @@ def run(ops: int = 1000, rounds: int = 6, work_iters: int = 0) -> dict[str, Any]
     last_seq = [0]
     errors: list[str] = []
 
-    def describe(seq: int, outputs: tuple[str, ...]) -> tuple[str, str, str, dict[str, Any]]:
-        return "op", "execute", "programs", {"seq": seq, "outputs": list(outputs)}
+    def describe(seq: int) -> tuple[str, str, str, dict[str, Any]]:
+        return "op", "execute", "programs", {"seq": seq}
 
     op_spans = spans.describer(describe)
 
     def on_done(
         op: Any, launched: int, started: int, finished: int, error: Any, values: Any
     ) -> None:
-        spans.record_later(started // 1000, finished // 1000, op_spans, op.seq, op.outputs)
+        spans.record_later(started // 1000, finished // 1000, op_spans, op.seq)
         if error is not None:
             errors.append(f"operation {op.seq}: {error}")
         columns[0].append(op.seq)
