@@ -102,7 +102,7 @@ class ControllerEnd(asyncio.Protocol):
         """Queues a batch already encoded as `frames` (`encode_batch(ops)`: one encoding
         may go to every worker of a gang); `drain` waits until it is on its way."""
         if self._failed is not None or self._transport is None or self._transport.is_closing():
-            raise ChannelError(f"sending to {self._name} failed: the channel is closed")
+            raise ChannelError(f"sending to {self._name} failed: {self._why_closed()}")
         for data in frames:
             self._transport.write(data)
 
@@ -184,11 +184,7 @@ class ControllerEnd(asyncio.Protocol):
             del buffer[:used]
 
     def connection_lost(self, exc: Exception | None) -> None:
-        self._fail(
-            ChannelError(
-                f"{self._name} closed its control channel (the worker process died or was killed)"
-            )
-        )
+        self._fail(self._lost())
         if self._paused is not None and not self._paused.done():
             self._paused.set_result(None)
 
@@ -241,6 +237,21 @@ class ControllerEnd(asyncio.Protocol):
             return
         self._listener = None  # told once
         on_error(message)
+
+    def _lost(self) -> ChannelError:
+        return ChannelError(
+            f"{self._name} closed its control channel (the worker process died or was killed)"
+        )
+
+    def _why_closed(self) -> ChannelError | str:
+        """Why nothing can be sent: the channel's failure, if it failed; else a transport
+        closing under us is the worker's end gone (asyncio calls `connection_lost` a
+        moment later), which a send may notice first."""
+        if self._failed is not None:
+            return self._failed
+        if self._transport is None:
+            return "the channel is not open"
+        return self._lost()
 
     def _fail(self, error: ChannelError) -> None:
         if self._failed is not None:

@@ -172,6 +172,12 @@ def test_a_worker_that_goes_away_ends_the_channel_with_a_clear_error():
         conn.shutdown(socket.SHUT_RDWR)
         with pytest.raises(ChannelError, match="host 1 of slice s closed its control channel"):
             await channel.receive()
+        # A send says why too (it may be what notices first: a job's recovery names it).
+        with pytest.raises(
+            ChannelError,
+            match="sending to host 1 of slice s failed: host 1 of slice s closed its control",
+        ):
+            await channel.send([DeleteOp(1, ())])
         channel.close()
 
     try:
@@ -440,6 +446,13 @@ def test_a_flush_sends_on_the_executors_thread_and_the_bound_on_the_senders(flus
     )
     try:
         assert send_three_unflushed(worker) == [1, 2, 3]
+        # A frame is reported after it is sent: the controller may have read it first.
+        wait_until(
+            lambda: sent_by and len(sent_by) == worker.end.counts["frames_out"],
+            timeout_s=TIMEOUT,
+            what="every frame sent to be reported",
+            interval_s=0.01,
+        )
     finally:
         worker.close()
     assert set(sent_by) == {"in-order-executor" if flush else "control-sender"}
