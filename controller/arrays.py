@@ -52,9 +52,9 @@ class ArrayRecord:
     # Its producing operation has its place in the gang's order, so later operations
     # that read it may be numbered.
     numbered: bool = False
-    # The client whose call makes it: that client's later operations are
-    # numbered after its producer without waiting for it (a client's operations keep
-    # their order), so they need no readiness check (core.Controller._submit).
+    # The client whose call makes it: that client's later operations come after that
+    # call in the gang's order anyway (one client's operations keep their order), so
+    # they are queued with no readiness check on it (core.Controller._submit).
     made_by: str | None = None
     # Operations queued to read it and not numbered yet (dispatch.Ticket): a delete must
     # come after them, even when another client of a shared gang queued them.

@@ -117,7 +117,7 @@ class ControllerEnd(asyncio.Protocol):
         if self._paused is not None:
             await asyncio.shield(self._paused)
         if self._failed is not None:
-            raise ChannelError(f"sending to {self._name} failed: {self._failed}")
+            raise ChannelError(f"sending to {self._name} failed: {self._why_closed()}")
 
     def listen(self, on_results: OnResults, on_error: OnError) -> None:
         """Hands every frame of completions to `on_results` as it arrives (those that
