@@ -50,6 +50,10 @@ def simulated_host_env(placement: HostPlacement) -> dict[str, str]:
         # 2-core VM (`slicewise bench transfer`, same hour). glibc >= 2.35; older ones
         # ignore it.
         "GLIBC_TUNABLES": "glibc.malloc.hugetlb=1",
+        # The simulated devices' threads go first on the cores, the threads feeding them
+        # (launching, receiving, reporting) run when a core is free, as on a TPU host
+        # where the chips are not the host's cores (worker/sched.py).
+        "SLICEWISE_DISPATCH_SCHED": "idle",
     }
 
 

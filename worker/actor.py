@@ -20,6 +20,7 @@ from slicewise.common.framing import Pieces
 from slicewise.common.mesh import GangShape
 from slicewise.common.ops import Completions, DeleteOp, ExecOp, Op, OpResult
 from slicewise.common.trace import Span, SpanRecorder, now_us
+from worker import sched
 from worker.channel import WorkerEnd
 from worker.executor import InOrderExecutor
 from worker.runtime import JaxRuntime
@@ -62,6 +63,7 @@ class HostWorker:
             # resume traces), a frame and a check on each of the executor's per-op calls.
             on_done=functools.partial(_report_done, self),
             on_idle=functools.partial(_flush, self),
+            on_start=sched.dispatch_thread,
         )
         self._started = time.time()
         import ray
@@ -215,7 +217,8 @@ class HostWorker:
     def bench_loop(
         self, program_id: str, handles: list[str], n: int, window: int, pace_s: float = 0.0
     ) -> float:
-        """The multi-controller baseline of `benchmarks/` (see JaxRuntime.run_loop)."""
+        """The multi-controller baseline of `benchmarks/` (see JaxRuntime.run_loop), as a
+        multi-controller program runs: on a thread of the default scheduling policy."""
         threading.current_thread().name = "bench-loop"  # for per-thread CPU figures
         return self.runtime.run_loop(program_id, handles, n, window, pace_s)
 

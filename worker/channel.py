@@ -53,6 +53,7 @@ from typing import Any
 from slicewise.common.codec import TO_WORKER
 from slicewise.common.framing import LENGTH, ChannelError, frame, frame_length, unframe
 from slicewise.common.ops import Completions, Op, OpResult
+from worker import sched
 
 log = logging.getLogger(__name__)
 
@@ -245,6 +246,8 @@ class WorkerEnd:
             self._send(conn, "ready", None)
             sender.start()
             beater.start()
+            # After starting the heartbeat: a thread starts under its starter's policy.
+            sched.dispatch_thread()
             while True:
                 length = frame_length(_recv_exact(conn, LENGTH.size))
                 kind, payload = unframe(_recv_exact(conn, length), TO_WORKER)
@@ -285,6 +288,7 @@ class WorkerEnd:
                 return
 
     def _send_completions(self, conn: socket.socket) -> None:
+        sched.dispatch_thread()
         while True:
             with self._cond:
                 while self._conn is conn:

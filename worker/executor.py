@@ -153,6 +153,7 @@ class InOrderExecutor:
         on_failure: OnFailure | None = None,
         on_done: OnDone | None = None,
         on_idle: OnIdle | None = None,
+        on_start: Callable[[], object] | None = None,
         clock: Clock = time.time_ns,
     ) -> None:
         if window < 1:
@@ -161,6 +162,7 @@ class InOrderExecutor:
         self._on_failure = on_failure
         self._on_done = on_done
         self._on_idle = on_idle or (lambda: None)
+        self._on_start = on_start  # called first on the executor's thread
         self._clock = clock
         # When the outputs of the last program retired were ready: the devices were busy
         # with it until then, so a program launched earlier could not start before.
@@ -278,6 +280,8 @@ class InOrderExecutor:
         self._to_watch.put(None)  # after what it is waiting for, if that ever ends
 
     def _loop(self) -> None:
+        if self._on_start is not None:
+            self._on_start()
         while True:
             with self._lock:
                 # `_idle()`, spelled out: asked once per operation.

@@ -544,3 +544,14 @@ def test_a_call_of_several_runs_launches_once_the_programs_before_it_finished(st
     device.wait_launched(3)  # an ordinary op after it goes as usual
     device.open(3)
     assert [f.result(timeout=TIMEOUT).error for f in futures] == [None, None, None]
+
+
+def test_on_start_runs_on_the_executors_thread_before_any_operation(start):
+    """How a simulated host puts its executor under its scheduling policy (worker/sched.py)."""
+    seen = []
+    device = FakeDevice()
+    executor = start(
+        device, on_start=lambda: seen.append((threading.get_native_id(), list(device.launched)))
+    )
+    assert [r.error for r in executor.run([op(1)], timeout=TIMEOUT)] == [None]
+    assert seen == [(executor._thread.native_id, [])]

@@ -28,6 +28,7 @@ from slicewise.common.errors import (
 )
 from slicewise.common.mesh import MeshSpec, ShardingSpec
 from slicewise.common.topology import SLICE_TYPES, parse_sim_spec, slice_type
+from worker import sched
 
 # -- topology --------------------------------------------------------------------------
 
@@ -110,6 +111,13 @@ def test_simulated_env_gives_the_host_one_cpu_device_per_chip():
     env = simulated_host_env(HostPlacement(0, 0, 1, 1, 8))
     assert env["JAX_PLATFORMS"] == "cpu"
     assert "--xla_force_host_platform_device_count=8" in env["XLA_FLAGS"].split()
+
+
+def test_only_a_simulated_host_runs_its_dispatch_threads_after_its_devices():
+    """worker/sched.py reads the variable the controller sets; a TPU host's threads keep
+    the default policy, its devices not being the host's cores."""
+    assert simulated_host_env(placement())[sched.SCHEDULING_ENV] == "idle"
+    assert sched.SCHEDULING_ENV not in tpu_host_env(placement(), "10.0.0.1")
 
 
 def test_xla_accepts_the_simulated_hosts_flags():
