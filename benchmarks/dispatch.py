@@ -16,9 +16,11 @@ both driven from a process of their own (baselines.BaselineDriver). Every rate i
 measured once per round, the rounds alternating their order, and each ratio is the
 median of the rounds' ratios: two rates of one round were measured moments apart (this
 shared VM's speed drifts by tens of percent within a minute).
-Then the paper's Figure 6 sweep: the computation made longer (0.1 ms to ~100 ms of
-per-device work) to find the shortest computation for which slicewise's OpByOp
-throughput reaches 95% of multi-controller JAX (the paper reports 2.3 ms at 16 hosts);
+Then the paper's Figure 6 sweep: the computation made longer (SWEEP_MS: 1 to 100 ms of
+a multi-controller call, the work for each placed by measuring two programs first, as
+this VM's speed varies from day to day) to find the shortest computation for which
+slicewise's OpByOp throughput reaches 95% of multi-controller JAX (the paper reports
+2.3 ms at 16 hosts);
 at each length the ratio is the median of such rounds, each measuring both (more of them
 within a factor of 2 of 2.3 ms, where the break-even falls). The break-even is given as
 the paper defines it, the shortest length reaching 95%, and as the shortest from which
@@ -40,6 +42,7 @@ import argparse
 import functools
 import os
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -149,9 +152,7 @@ def run(quick: bool = False) -> dict[str, Any]:
 
     n = 200 if quick else 1000
     reps = 2 if quick else 6
-    # Denser around the paper's 2.3 ms (3 to 10 iterations: about 2 to 3 ms here), where
-    # the break-even falls: with 3 and 10 alone it could only be told as 2.1 or 2.7 ms.
-    lengths = [0, 30, 300] if quick else [0, 3, 5, 7, 10, 30, 100, 300, 1000, 3000]
+    targets_ms = QUICK_SWEEP_MS if quick else SWEEP_MS
     out: dict[str, Any] = {
         "config": {
             "sim": SIM,
@@ -238,14 +239,30 @@ def run(quick: bool = False) -> dict[str, Any]:
             },
         )
 
+        programs: dict[int, Any] = {}
+
+        def with_work(iters: int) -> Any:
+            if iters not in programs:
+                programs[iters] = gang.compile(
+                    allreduce_add(mesh.abstract, AXES, work_iters=iters),
+                    x,
+                    name=f"allreduce_add_work{iters}",
+                )
+                programs[iters](x).block_until_ready()
+            return programs[iters]
+
+        # The work iterations that make each length of the sweep on this machine, from
+        # the lengths of two programs (this VM's speed differs by half from day to day:
+        # fixed iteration counts once put no length between 1.7 and 2.8 ms).
+        base_ms, long_ms = (
+            1e3 / float(np.median([multi_controller(with_work(i), 50) for _ in range(3)]))
+            for i in (0, CALIBRATION_ITERS)
+        )
+        lengths = sweep_iters(base_ms, (long_ms - base_ms) / CALIBRATION_ITERS, targets_ms)
+        out["config"]["sweep_targets_ms"] = list(targets_ms)
         sweep = []
         for iters in lengths:
-            program = gang.compile(
-                allreduce_add(mesh.abstract, AXES, work_iters=iters),
-                x,
-                name=f"allreduce_add_work{iters}",
-            )
-            program(x).block_until_ready()
+            program = with_work(iters)
             mc_rate = multi_controller(program, 20)
             calls = int(min(n, max(20, 1.5 * mc_rate)))  # about 1.5 s per measurement
             rounds = _sweep_rounds(reps, 1e3 / mc_rate, quick)
@@ -355,6 +372,36 @@ def cpu_bound(
         "opbyop_ceiling_with_workers_at_their_loop": mc_total / least,
         "opbyop_needed_for_2x_plain_ray": 2 * plain_vs_multi_controller,
     }
+
+
+# The sweep's lengths, in milliseconds of a multi-controller call: denser around the
+# paper's 2.3 ms, where the break-even falls.
+SWEEP_MS = (1.0, 1.5, 1.8, 2.0, 2.15, 2.3, 2.5, 2.8, 3.5, 5.0, 10.0, 30.0, 100.0)
+QUICK_SWEEP_MS = (1.0, 3.0, 20.0)
+CALIBRATION_ITERS = 100  # the second program measured to place the sweep's lengths
+
+
+def sweep_iters(base_ms: float, per_iter_ms: float, targets_ms: Sequence[float]) -> list[int]:
+    """The work iterations for each target length, on the line through the lengths of
+    two programs (a call's work grows linearly with its iterations): `base_ms` with none,
+    `per_iter_ms` more per iteration. Targets at or below `base_ms` take 0; each count
+    once, in the targets' order.
+
+    Raises:
+        ValueError: the lengths do not grow with the iterations (a calibration that
+            measured noise).
+    """
+    if per_iter_ms <= 0:
+        raise ValueError(
+            f"calibration failed: {CALIBRATION_ITERS} work iterations made a call no longer "
+            f"({base_ms:.3f} ms with none, {per_iter_ms:+.5f} ms per iteration)"
+        )
+    iters: list[int] = []
+    for target in targets_ms:
+        n = max(0, round((target - base_ms) / per_iter_ms))
+        if n not in iters:
+            iters.append(n)
+    return iters
 
 
 SWEEP_SIDES = ("multi_controller", "slicewise")

@@ -22,6 +22,7 @@ from benchmarks.dispatch import (
     break_even_from_cpu,
     cpu_bound,
     length_cpu,
+    sweep_iters,
     thread_group,
 )
 
@@ -179,6 +180,17 @@ def test_the_break_even_is_the_shortest_length_reaching_95_percent_and_where_it_
         "break_even_ms": None,
         "break_even_sustained_ms": None,
     }
+
+
+def test_sweep_lengths_are_placed_on_the_line_through_two_measured_ones():
+    # 1.0 ms with no work, 0.05 ms more per iteration: 2.3 ms takes 26 iterations.
+    assert sweep_iters(1.0, 0.05, (0.5, 1.0, 2.3, 3.0, 3.01)) == [0, 26, 40]
+    assert sweep_iters(2.0, 0.01, (1.0, 2.3, 100.0)) == [0, 30, 9800]
+
+
+def test_a_calibration_that_measured_noise_is_refused():
+    with pytest.raises(ValueError, match="calibration failed"):
+        sweep_iters(1.2, -0.001, (2.3,))
 
 
 def test_lengths_near_the_papers_break_even_get_more_rounds_unless_quick():
