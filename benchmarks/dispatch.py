@@ -255,7 +255,7 @@ def run(quick: bool = False) -> dict[str, Any]:
         # the lengths of two programs (this VM's speed differs by half from day to day:
         # fixed iteration counts once put no length between 1.7 and 2.8 ms).
         base_ms, long_ms = (
-            1e3 / float(np.median([multi_controller(with_work(i), 50) for _ in range(3)]))
+            1e3 / float(np.median([multi_controller(with_work(i), 100) for _ in range(5)]))
             for i in (0, CALIBRATION_ITERS)
         )
         lengths = sweep_iters(base_ms, (long_ms - base_ms) / CALIBRATION_ITERS, targets_ms)
