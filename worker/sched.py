@@ -22,9 +22,11 @@ program would (their loop under SCHED_IDLE ran 0.94 times as fast, in the same r
 A thread starts under the policy of the thread that starts it: the receiver starts the
 heartbeat before it goes idle, and the threads the executor starts run idle too (XLA's
 compiler threads, started by the first compile; orbax's writers): they also wait for a
-core the devices leave free. On a busy host a SCHED_IDLE thread still runs, rarely: the
-heartbeat, which needs the interpreter lock the executor may hold, can be tens of
-milliseconds late, far inside ControllerOptions.heartbeat_timeout_s (10 s).
+core the devices leave free (a checkpoint's writes among them: not measured since). On a
+host whose devices keep every core busy a SCHED_IDLE thread still runs, but rarely, and
+the heartbeat needs the interpreter lock the executor may hold when it loses its core:
+a beat can be late by as long as the executor waits for one (not measured here; the
+controller calls a host silent after ControllerOptions.heartbeat_timeout_s, 10 s).
 
 The controller sets SCHEDULING_ENV only in a simulated host's environment
 (controller/hostenv.py); a real TPU host's threads keep the default policy.
