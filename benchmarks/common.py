@@ -352,29 +352,41 @@ def size_label(nbytes: int) -> str:
     return f"{nbytes // 2**30} GiB" if nbytes >= 2**30 else f"{nbytes // 2**20} MiB"
 
 
-def _stat_cpu_seconds(path: str) -> float:
-    """User + system CPU seconds from a /proc stat file (fields 14 and 15, in clock
-    ticks): a process's (/proc/<pid>/stat) or one thread's (/proc/<pid>/task/<tid>/stat)."""
+def _stat(path: str) -> tuple[str, list[str]]:
+    """A /proc stat line (a process's, /proc/<pid>/stat, or one thread's,
+    /proc/<pid>/task/<tid>/stat): the name, and the fields after it, field 3 of the line
+    first. The name may hold spaces and parentheses: the fields count from its last ")"."""
     with open(path) as f:
-        fields = f.read().rpartition(")")[2].split()
+        line = f.read()
+    head, _, rest = line.rpartition(")")
+    return head.partition("(")[2], rest.split()
+
+
+def _cpu_seconds(fields: list[str]) -> float:
+    """User + system CPU seconds (fields 14 and 15 of a stat line, in clock ticks)."""
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def cpu_seconds(pid: int) -> float:
     """User + system CPU seconds a process (all its threads) has used so far."""
-    return _stat_cpu_seconds(f"/proc/{pid}/stat")
+    return _cpu_seconds(_stat(f"/proc/{pid}/stat")[1])
+
+
+def thread_stats(pid: int) -> dict[int, tuple[str, list[str]]]:
+    """Each thread of a process, by thread id: its name and the fields of its stat line
+    after the name (see `_stat`); a thread that ends while it is read is left out."""
+    found: dict[int, tuple[str, list[str]]] = {}
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            found[int(tid)] = _stat(f"/proc/{pid}/task/{tid}/stat")
+        except OSError:
+            continue
+    return found
 
 
 def thread_cpu_seconds(pid: int) -> dict[int, float]:
-    """CPU seconds each thread of a process has used so far, by thread id; a thread
-    that ends while it is read is left out."""
-    used: dict[int, float] = {}
-    for tid in os.listdir(f"/proc/{pid}/task"):
-        try:
-            used[int(tid)] = _stat_cpu_seconds(f"/proc/{pid}/task/{tid}/stat")
-        except OSError:
-            continue
-    return used
+    """CPU seconds each thread of a process has used so far, by thread id."""
+    return {tid: _cpu_seconds(fields) for tid, (_, fields) in thread_stats(pid).items()}
 
 
 class ThreadCpuMeter:

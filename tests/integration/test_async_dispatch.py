@@ -185,23 +185,8 @@ def test_mistakes_the_client_can_see_are_raised_at_the_call(client, two_slices):
     assert gang.stats().streamed_calls == before + 1
 
 
-SCHED_IDLE = 5  # the policy number /proc/<pid>/task/<tid>/stat gives (field 41)
+SCHED_IDLE = 5  # the policy field of a /proc stat line (field 41)
 DISPATCH = {"in-order-executor", "control-receiver", "control-sender"}
-
-
-def thread_policies(pid: int) -> dict[int, tuple[str, int]]:
-    """Each thread of a process: its OS name and its scheduling policy (from /proc)."""
-    found = {}
-    for tid in os.listdir(f"/proc/{pid}/task"):
-        try:
-            with open(f"/proc/{pid}/task/{tid}/stat") as f:
-                line = f.read()
-        except FileNotFoundError:  # the thread ended meanwhile
-            continue
-        # The name may hold spaces: the fields after it count from its ")".
-        name, fields = line[line.index("(") + 1 : line.rindex(")")], line.rpartition(")")[2]
-        found[int(tid)] = (name, int(fields.split()[38]))  # field 41 of the whole line
-    return found
 
 
 @pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="needs Linux's /proc")
@@ -211,7 +196,7 @@ def test_a_simulated_hosts_dispatch_threads_go_after_its_devices(two_slices):
     do not, nor do the native ones it did not start: XLA's devices', gloo's, Ray's.
     (Threads the executor starts inherit its policy: XLA's compiler threads, named
     llvm-worker-N, are started by the first compile.)"""
-    from benchmarks.common import attached_to_ray
+    from benchmarks.common import attached_to_ray, thread_stats
 
     gang = two_slices
     mesh = gang.mesh()
@@ -227,11 +212,11 @@ def test_a_simulated_hosts_dispatch_threads_go_after_its_devices(two_slices):
             for w in workers
         ]
     for worker, python_names in zip(workers, names, strict=True):
-        threads = thread_policies(worker.pid)
+        threads = thread_stats(worker.pid)
         idle = {
             python_names.get(tid, name)
-            for tid, (name, policy) in threads.items()
-            if policy == SCHED_IDLE and not name.startswith("llvm-worker")
+            for tid, (name, fields) in threads.items()
+            if int(fields[38]) == SCHED_IDLE and not name.startswith("llvm-worker")
         }
         assert idle == DISPATCH, f"worker {worker.process_id}: {idle}"
         assert len(threads) > len(idle) + 4, "a worker has its devices' threads too"
