@@ -3,7 +3,10 @@ worker starts (JAX reads these once, at initialisation, so they cannot be set la
 
 from __future__ import annotations
 
+import importlib.util
+import os
 from dataclasses import dataclass
+from pathlib import Path
 
 # libtpu's multislice coordinator port (the default that ray.util.tpu uses too).
 MEGASCALE_PORT = "8081"
@@ -48,13 +51,52 @@ def simulated_host_env(placement: HostPlacement) -> dict[str, str]:
         # one faulted it in 4-KiB pages. Transparent huge pages for those maps took the
         # 256-MiB slice-to-slice transfer from 0.57 to 0.94 of a raw TCP exchange on the
         # 2-core VM (`slicewise bench transfer`, same hour). glibc >= 2.35; older ones
-        # ignore it.
+        # ignore it. Where the device memory pool below is on, jemalloc serves malloc
+        # instead and this does nothing.
         "GLIBC_TUNABLES": "glibc.malloc.hugetlb=1",
         # The simulated devices' threads go first on the cores, the threads feeding them
         # (launching, receiving, reporting) run when a core is free, as on a TPU host
         # where the chips are not the host's cores (worker/sched.py).
         "SLICEWISE_DISPATCH_SCHED": "idle",
-    }
+    } | device_memory_pool_env()
+
+
+# Set to 0 in the controller's environment to give simulated hosts the system malloc.
+DEVICE_POOL_ENV = "SLICEWISE_SIM_DEVICE_POOL"
+# jemalloc's options for a simulated host: every allocation from the ordinary arenas
+# (none from the arena for large ones, which returns freed pages at once), and freed
+# pages kept for the next allocation, never returned to the kernel, in huge pages.
+POOL_MALLOC_CONF = "oversize_threshold:0,dirty_decay_ms:-1,muzzy_decay_ms:-1,thp:always"
+
+
+def jemalloc_library() -> Path | None:
+    """The jemalloc that Ray's Linux wheels ship (ray/core/libjemalloc.so), if present."""
+    spec = importlib.util.find_spec("ray")
+    for root in (spec.submodule_search_locations or []) if spec else []:
+        library = Path(root) / "core" / "libjemalloc.so"
+        if library.is_file():
+            return library
+    return None
+
+
+def device_memory_pool_env() -> dict[str, str]:
+    """Simulated device memory that is reused rather than mapped afresh per output.
+
+    A TPU runtime keeps its device memory in a pool of its own; XLA:CPU takes every
+    device buffer from malloc, and glibc maps each one of 32 MiB or more afresh and
+    unmaps it when freed, so every call producing one had the kernel zero its pages
+    again: 30% of the workers' CPU in 256-MiB slice-to-slice swaps went to
+    `clear_page_erms` (perf, 2026-12-05). With jemalloc keeping freed pages, a swap
+    faults 1-5 pages instead of ~2,000, and the swap went from 0.60-0.67 of a raw TCP
+    exchange to 0.84-0.88 (alternating runs, 2026-12-06). The price: a simulated
+    host's resident memory stays at its peak until its worker exits, as a TPU's
+    memory pool does. Empty (the system malloc) where Ray has no jemalloc, or when
+    SLICEWISE_SIM_DEVICE_POOL=0.
+    """
+    library = jemalloc_library()
+    if library is None or os.environ.get(DEVICE_POOL_ENV, "1") == "0":
+        return {}
+    return {"LD_PRELOAD": str(library), "MALLOC_CONF": POOL_MALLOC_CONF}
 
 
 def tpu_host_env(placement: HostPlacement, megascale_coordinator: str) -> dict[str, str]:
