@@ -8,6 +8,7 @@ import json
 import logging
 import os
 import platform
+import select
 import socket
 import statistics
 import subprocess
@@ -258,28 +259,39 @@ outgoing = [socket.create_connection(("127.0.0.1", peer)) for _ in range(streams
 incoming = [server.accept()[0] for _ in range(streams)]
 for c in outgoing + incoming:
     c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-payload = memoryview(bytearray(0))
-buffers = [memoryview(bytearray(16 * 2**20)) for _ in incoming]
+outbox = inbox = memoryview(bytearray(0))
+warm_inboxes = [memoryview(bytearray(16 * 2**20)) for _ in incoming]
 print("ready", flush=True)
 
-def send(conn, n):
-    conn.sendall(payload[:n])
+def send(conn, view):
+    conn.sendall(view)
 
-def receive(conn, view, n):
+def receive(conn, view, n):  # into view, from its start again when it is full
+    at = 0
     while n:
-        got = conn.recv_into(view[:min(n, len(view))])
+        if at == len(view):
+            at = 0
+        got = conn.recv_into(view[at : at + n])
         if got == 0:
             raise EOFError("the peer closed its connection")
+        at += got
         n -= got
 
 for line in sys.stdin:
-    each = int(line.split()[1]) // streams
-    if len(payload) < each:  # written once: sent from real pages, not the zero page
-        payload = memoryview(bytearray(b"Z") * each)
-    threads = [threading.Thread(target=send, args=(c, each)) for c in outgoing]
+    _, nbytes, mode = line.split()
+    each = int(nbytes) // streams
+    if len(outbox) < each * streams:  # written once: real pages, not the zero page
+        outbox = memoryview(bytearray(b"Z") * (each * streams))
+        inbox = memoryview(bytearray(b"Z") * (each * streams))
+    if mode == "own":  # every stream its own part of the outbox and of the inbox
+        sent = [outbox[i * each : (i + 1) * each] for i in range(streams)]
+        into = [inbox[i * each : (i + 1) * each] for i in range(streams)]
+    else:  # "warm": every stream the outbox's first part, received into its own 16 MiB
+        sent = [outbox[:each]] * streams
+        into = warm_inboxes
+    threads = [threading.Thread(target=send, args=(c, v)) for c, v in zip(outgoing, sent)]
     threads += [
-        threading.Thread(target=receive, args=(c, b, each))
-        for c, b in zip(incoming, buffers)
+        threading.Thread(target=receive, args=(c, v, each)) for c, v in zip(incoming, into)
     ]
     for t in threads:
         t.start()
@@ -313,8 +325,12 @@ class RawExchange:
                 raise RuntimeError("a raw exchange peer did not get ready")
 
     @staticmethod
-    def _read(proc: subprocess.Popen) -> str:
+    def _read(proc: subprocess.Popen, timeout_s: float = 120.0) -> str:
         assert proc.stdout is not None
+        # One line at a time each way, so nothing waits in the reader's buffer unseen.
+        if not select.select([proc.stdout], [], [], timeout_s)[0]:
+            proc.kill()
+            raise TimeoutError(f"a raw exchange peer said nothing for {timeout_s:.0f} s")
         line = proc.stdout.readline().strip()
         if not line:
             raise RuntimeError(f"a raw exchange peer exited ({proc.poll()})")
@@ -326,11 +342,17 @@ class RawExchange:
         proc.stdin.write(f"{value}\n")
         proc.stdin.flush()
 
-    def swap(self, nbytes_each_way: int) -> float:
-        """Seconds for both processes to send `nbytes_each_way` to the other at once."""
+    def swap(self, nbytes_each_way: int, warm: bool = False) -> float:
+        """Seconds for both processes to send `nbytes_each_way` to the other at once.
+
+        Each stream sends its own part of `nbytes_each_way` of memory and receives into
+        its own part of as much again, as a program moving an array does. `warm`: every
+        stream sends the same part and receives into the same 16 MiB instead, a quarter
+        of the memory and less: the baseline until 2026-12-06, which a large L3 (300 MiB
+        on the VM here) serves from cache."""
         started = time.perf_counter()
         for proc in self._procs:
-            self._write(proc, f"go {nbytes_each_way}")
+            self._write(proc, f"go {nbytes_each_way} {'warm' if warm else 'own'}")
         for proc in self._procs:
             if self._read(proc) != "done":
                 raise RuntimeError("a raw exchange peer did not finish")
