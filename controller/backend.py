@@ -9,8 +9,10 @@ admission, rollback, sharing and preemption run without processes.
 from __future__ import annotations
 
 import contextlib
+import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Protocol
 
 from controller.channel import ControllerEnd
@@ -166,6 +168,11 @@ class ClusterBackend(Protocol):
         """Frees every host of a reservation, held or still pending."""
         ...
 
+    def last_words(self, error: BaseException) -> str:
+        """The end of what a worker process wrote to stderr before it died, when `error`
+        says one died and its output is readable here (a simulated host); else ""."""
+        ...
+
 
 class _PlacementGroup:
     """A Ray placement group as a Reservation."""
@@ -304,3 +311,31 @@ class RayBackend:
         assert isinstance(reservation, _PlacementGroup)
         with contextlib.suppress(Exception):
             remove_placement_group(reservation.pg)
+
+    def last_words(self, error: BaseException) -> str:
+        """Ray names a dead actor's pid in the error (`pid: 14767`); a worker's stderr is
+        `worker-<id>-<job>-<pid>.err` in the logs directory of the Ray session, on its
+        node: readable from the controller when the node is this machine."""
+        import ray
+
+        if not isinstance(error, ray.exceptions.ActorDiedError):
+            return ""
+        found = re.search(r"^\s*pid: (\d+)$", str(error), re.MULTILINE)
+        node = getattr(ray._private.worker, "_global_node", None)
+        if found is None or node is None:
+            return ""
+        with contextlib.suppress(Exception):
+            files = sorted(Path(node.get_logs_dir_path()).glob(f"worker-*-{found[1]}.err"))
+            if files:
+                return tail(files[-1])
+        return ""
+
+
+def tail(path: Path, lines: int = 20, max_bytes: int = 4096) -> str:
+    """The last `lines` whole lines of a file, within its last `max_bytes`."""
+    with open(path, "rb") as f:
+        start = max(0, f.seek(0, 2) - max_bytes)
+        f.seek(start)
+        found = f.read().decode(errors="replace").rstrip("\n").split("\n")
+    whole = found[1:] if start else found  # the first may have begun before `start`
+    return "\n".join(whole[-lines:])

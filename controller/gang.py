@@ -246,8 +246,10 @@ class Gang:
                     "or gone"
                 ) from None
             if isinstance(exc, Exception) and not isinstance(exc, SliceLostError):
+                words = self._backend.last_words(exc)
                 raise WorkerError(
                     f"gang {self.gang_id} failed to start: {type(exc).__name__}: {exc}"
+                    + (f"\nThe worker's last output (stderr):\n{words}" if words else "")
                 ) from exc
             raise
         # The workers' heartbeats are read from now on, whether or not work is sent.

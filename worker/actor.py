@@ -12,10 +12,12 @@ import functools
 import logging
 import os
 import socket
+import sys
 import threading
 import time
 from typing import Any
 
+from slicewise.common.failpoints import failpoint
 from slicewise.common.framing import Pieces
 from slicewise.common.mesh import GangShape
 from slicewise.common.ops import Completions, DeleteOp, ExecOp, Op, OpResult
@@ -162,6 +164,11 @@ class HostWorker:
         bind_address: str | None,
         timeout_s: int,
     ) -> dict[str, Any]:
+        if failpoint("initialize_exit_process") == self.process_id + 1:
+            # Tests: this process dies while its gang forms, after saying why on stderr.
+            print(f"failpoint: process {self.process_id} exits while joining", file=sys.stderr)
+            sys.stderr.flush()
+            os._exit(3)
         info = self.runtime.initialize(
             coordinator,
             partition_index=partition_index,

@@ -395,3 +395,30 @@ def test_a_host_lost_during_reservation_is_rolled_back_and_retried_elsewhere(
     with slicewise.connect(sched_controller.address) as c:
         states = {s.name: s.state for s in c.cluster_info().slices}
     assert states[victim] == pb.SLICE_STATE_BROKEN
+
+
+def test_a_worker_that_dies_while_its_gang_forms_is_quoted_in_the_error(
+    sched_controller, failpoints, ray_table
+):
+    """Process 1 of a two-slice gang exits during `initialize` after writing to stderr:
+    the allocation fails with that line in its error, holds nothing afterwards, and the
+    next allocation succeeds."""
+    failpoints.write_text(json.dumps({"initialize_exit_process": 2}))
+    try:
+        with (
+            slicewise.connect(sched_controller.address) as c,
+            pytest.raises(slicewise.WorkerError) as raised,
+        ):
+            c.allocate(slices=2, slice_type="v5litepod-4", timeout=200)
+    finally:
+        failpoints.write_text("{}")
+    message = str(raised.value)
+    assert "failed to start: ActorDiedError" in message, message
+    assert "The worker's last output (stderr):" in message, message
+    assert "failpoint: process 1 exits while joining" in message, message
+    assert not [pg for pg in ray_table().values() if pg["state"] != "REMOVED"]
+    with slicewise.connect(sched_controller.address) as c:
+        gang = c.allocate(slices=2, slice_type="v5litepod-4", timeout=200)
+        x = np.arange(8, dtype=np.float32)
+        assert gang.compile(jax.jit(lambda a: a * 2), x)(x).fetch().tolist() == (x * 2).tolist()
+        gang.release()

@@ -188,6 +188,8 @@ class FakeCluster:
         self.workers: list[FakeWorker] = []
         self.channels: list[FakeChannel] = []
         self.calls: list[tuple[str, str]] = []  # (what, name), in order
+        # What `last_words` reports of any failure: a dead worker's stderr, as a test sets it.
+        self.dying_words = ""
 
     # -- what the test does -------------------------------------------------------------
 
@@ -264,6 +266,9 @@ class FakeCluster:
         assert isinstance(reservation, FakeReservation)
         reservation.removed = True
         self.calls.append(("remove", reservation.name))
+
+    def last_words(self, error: BaseException) -> str:
+        return self.dying_words
 
 
 class FakeContext:

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from controller.backend import tail
 from controller.gang import Gang, SliceLostError
 from controller.gangstate import TRANSITIONS as TABLE
 from controller.gangstate import GangState
@@ -138,6 +139,26 @@ def test_a_failed_start_is_rolled_back_to_queued_and_says_why():
     assert gang.state is GangState.QUEUED and cluster.held() == []
 
 
+def test_a_failed_start_quotes_what_the_dead_worker_wrote_last():
+    async def scenario():
+        cluster = FakeCluster(V4, V4, auto_ready=False)
+        cluster.dying_words = "Fatal Python error: Segmentation fault"
+        gang = Gang("g1", "test", slice_type(V4), 2, backend=cluster)
+        starting = asyncio.create_task(
+            gang.start(list(slices_from_nodes(cluster.nodes()).values()), timeout_s=5)
+        )
+        (await cluster.reservation()).fail(RuntimeError("worker died"))
+        with pytest.raises(WorkerError) as raised:
+            await starting
+        return str(raised.value)
+
+    message = run(scenario())
+    assert message.endswith(
+        "RuntimeError: worker died\nThe worker's last output (stderr):\n"
+        "Fatal Python error: Segmentation fault"
+    ), message
+
+
 def test_a_start_that_loses_a_slice_is_rolled_back_at_once():
     async def scenario():
         cluster = FakeCluster(V4, V4, auto_ready=False)
@@ -197,3 +218,12 @@ def test_a_failure_reported_by_the_dispatcher_of_an_earlier_start_is_ignored():
     assert old is not gang.dispatcher
     assert stale is GangState.READY
     assert gang.state is GangState.FAILED and gang.why == "a worker of start 2 died"
+
+
+def test_the_tail_of_a_workers_stderr_is_its_last_lines_of_its_last_bytes(tmp_path):
+    err = tmp_path / "worker-1-2-3.err"
+    err.write_text("".join(f"line {i}\n" for i in range(30)))
+    assert tail(err) == "\n".join(f"line {i}" for i in range(10, 30))
+    assert tail(err, lines=3, max_bytes=12) == "line 29"  # " 28" began earlier
+    err.write_text("")
+    assert tail(err) == ""
