@@ -87,10 +87,11 @@ def device_memory_pool_env() -> dict[str, str]:
     unmaps it when freed, so every call producing one had the kernel zero its pages
     again: 30% of the workers' CPU in 256-MiB slice-to-slice swaps went to
     `clear_page_erms` (perf, 2026-12-05). With jemalloc keeping freed pages, a swap
-    faults 1-5 pages instead of ~2,000, and the swap went from 0.60-0.67 of a raw TCP
-    exchange to 0.84-0.88 (alternating runs, 2026-12-06). The price: a simulated
-    host's resident memory stays at its peak until its worker exits, as a TPU's
-    memory pool does. Empty (the system malloc) where Ray has no jemalloc, or when
+    faults 1-5 pages instead of ~2,000, and the swap went from 0.60-0.63 of a raw TCP
+    exchange to 0.87-0.88 (two pairs of alternating runs, 2026-12-06; 0.55-0.59 to
+    0.75-0.80 in three against the exchange as measured before that day). The price:
+    a simulated host's resident memory stays at its peak until its worker exits, as a
+    TPU's memory pool does. Empty (the system malloc) where Ray has no jemalloc, or when
     SLICEWISE_SIM_DEVICE_POOL=0.
     """
     library = jemalloc_library()
