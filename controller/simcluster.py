@@ -147,6 +147,14 @@ class SimCluster:
     def remove_host(self, slice_name: str, worker_id: int) -> None:
         """Kills one simulated host (its raylet and every worker on it)."""
         node = self._hosts.pop((slice_name, worker_id))
+        # A TPU VM that goes away takes every process on it at once. Ray's workers would
+        # outlive their raylet until they notice it gone (they check once a second), and
+        # a job's steps went on meanwhile: 8 steps in one CI run, where 5 are allowed.
+        raylets = [p.process.pid for p in node.all_processes.get("raylet", [])]
+        on_host = _descendants(raylets)
+        for pid in on_host:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
         self._cluster.remove_node(node, allow_graceful=False)
 
     def restore_host(self, slice_name: str, worker_id: int) -> None:
@@ -185,6 +193,27 @@ class SimCluster:
 # controller closes the supervisor's stdin, exits, or dies (even by SIGKILL: the pipe
 # still closes). On the way out the supervisor kills whatever is left in its session,
 # so no raylet, agent or worker outlives the simulation.
+
+
+def _descendants(roots: list[int]) -> list[int]:
+    """Every process below `roots` (children, their children, ...), from /proc."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        children.setdefault(ppid, []).append(int(entry))
+    found: list[int] = []
+    todo = list(roots)
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
 
 
 def _session_processes(sid: int) -> list[int]:
