@@ -18,6 +18,7 @@ from typing import Any, Protocol
 from controller.channel import ControllerEnd
 from controller.coordination import CoordinationService
 from controller.simcluster import SLICE_NAME_LABEL, WORKER_ID_LABEL
+from slicewise.common.files import last_lines
 from slicewise.common.framing import ChannelError
 from slicewise.common.mesh import GangShape
 from slicewise.common.ops import Completions, Op
@@ -327,15 +328,5 @@ class RayBackend:
         with contextlib.suppress(Exception):
             files = sorted(Path(node.get_logs_dir_path()).glob(f"worker-*-{found[1]}.err"))
             if files:
-                return tail(files[-1])
+                return last_lines(files[-1], 20, max_bytes=4096).rstrip("\n")
         return ""
-
-
-def tail(path: Path, lines: int = 20, max_bytes: int = 4096) -> str:
-    """The last `lines` whole lines of a file, within its last `max_bytes`."""
-    with open(path, "rb") as f:
-        start = max(0, f.seek(0, 2) - max_bytes)
-        f.seek(start)
-        found = f.read().decode(errors="replace").rstrip("\n").split("\n")
-    whole = found[1:] if start else found  # the first may have begun before `start`
-    return "\n".join(whole[-lines:])

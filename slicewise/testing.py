@@ -21,6 +21,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, TypeVar
 
+from slicewise.common.files import last_lines
 from slicewise.common.topology import parse_sim_spec
 from slicewise.launch import ControllerProcess, ControllerStartError
 
@@ -137,7 +138,6 @@ def simulated_cluster(
 def log_tail(path: str | os.PathLike[str], lines: int = 40) -> str:
     """The last `lines` lines of a log file, or why there are none."""
     try:
-        text = Path(path).read_text(errors="replace")
+        return last_lines(path, lines) or "(the log is empty)"
     except OSError as exc:
         return f"(no log: {exc})"
-    return "".join(text.splitlines(keepends=True)[-lines:]) or "(the log is empty)"

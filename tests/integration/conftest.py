@@ -17,6 +17,7 @@ import pytest
 
 import slicewise
 from protos import controller_pb2 as pb
+from slicewise.common.files import last_lines
 from slicewise.launch import ControllerProcess
 from slicewise.testing import wait_until
 
@@ -29,7 +30,7 @@ _LOG_OF: dict[int, Path] = {}  # controller pid -> its log
 
 def log_tail(path: Path, lines: int = 60) -> str:
     try:
-        return "".join(path.read_text(errors="replace").splitlines(keepends=True)[-lines:])
+        return last_lines(path, lines)
     except OSError as exc:
         return f"(no log: {exc})"
 
