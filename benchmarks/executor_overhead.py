@@ -39,7 +39,6 @@ from __future__ import annotations
 import argparse
 import functools
 import os
-import tempfile
 import threading
 import time
 from collections import deque
@@ -97,7 +96,6 @@ def run(ops: int = 1000, rounds: int = 6, work_iters: int = 0) -> dict[str, Any]
     from slicewise.common.mesh import GangShape, MeshSpec, ShardingSpec
     from slicewise.common.ops import DeleteOp, ExecOp, LoadOp
     from slicewise.common.trace import SpanRecorder
-    from worker import executables
     from worker.executor import InOrderExecutor
     from worker.runtime import JaxRuntime
 
@@ -113,19 +111,9 @@ def run(ops: int = 1000, rounds: int = 6, work_iters: int = 0) -> dict[str, Any]
     program = allreduce_add(mesh.abstract(), axes, work_iters=work_iters)
     serialized = bytes(jax.export.export(program, platforms=["cpu"])(aval).serialize())
     runtime.apply(LoadOp(1, "p", serialized, mesh, "allreduce_add"))
-    # A simulated gang's workers compile ahead into their cache directory (the controller
-    # gives them one) and then call the executable itself (`_Program.direct`): so does
-    # this runtime, its first call compiling into a directory of its own.
-    with tempfile.TemporaryDirectory() as cache:
-        previous = os.environ.get(executables.ENV_VAR)
-        os.environ[executables.ENV_VAR] = cache
-        try:
-            runtime.apply(ExecOp(2, "p", ("x0",), ("x",))).wait()
-        finally:
-            if previous is None:
-                del os.environ[executables.ENV_VAR]
-            else:
-                os.environ[executables.ENV_VAR] = previous
+    # A worker compiles a program ahead when it is loaded, and its calls go to that
+    # executable itself (`_Program.direct`): so does this runtime.
+    runtime.apply(ExecOp(2, "p", ("x0",), ("x",))).wait()
     assert runtime._programs["p"].direct is not None, "the program was not compiled ahead"
 
     # The worker's on_done, less the channel: a span for later and a completion in columns.

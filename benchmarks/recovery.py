@@ -47,8 +47,8 @@ How each figure is obtained (all times on this machine's clock; the workers run 
   stopped; the job asks for a new gang only then), new gang (until "gang gM ready": a
   gang of new workers, their jax.distributed cluster), restore (until "job J running":
   exporting and loading the programs, restoring the checkpoint), first step (until the
-  first step finished: the new workers load the step program they compiled before
-  (worker/executables.py), then run it; its own `step_time_s` is kept too).
+  first step finished: the new workers wait for the step program they began compiling
+  when it was loaded, then run it; its own `step_time_s` is kept too).
   kill-controller has "controller restart" instead of release: from the old process
   gone until the new one takes the job up ("job J resumes after the controller
   restarted", just before it listens). Its controller has --compilation-cache (with

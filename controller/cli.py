@@ -421,10 +421,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--compilation-cache",
         metavar="DIR",
         default=os.environ.get(COMPILATION_CACHE_ENV, ""),
-        help="JAX's persistent compilation cache for the workers, a filesystem path on "
-        "every host: a recovered gang loads its programs instead of compiling them "
-        f"(default: ${COMPILATION_CACHE_ENV} if set, else <state-dir>/jax-cache with "
-        "--sim, none otherwise)",
+        help="JAX's persistent compilation cache for the workers on TPU, a path every "
+        "host can reach: a recovered gang loads its programs instead of compiling them "
+        f"(default: ${COMPILATION_CACHE_ENV} if set, else none). CPU workers (--sim) "
+        "never read it: see docs/restarts.md",
     )
     p.add_argument(
         "--allow-chaos",

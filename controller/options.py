@@ -31,9 +31,10 @@ class ControllerOptions:
         allow_chaos: accept fault injection (`slicewise chaos`), which kills processes.
         compilation_cache_dir: JAX's persistent compilation cache for the workers ("":
             none): a gang started again after a failure loads its programs from it
-            instead of compiling them again (seconds of a recovery on CPU; minutes for
-            a large model on TPU). A filesystem path on every host (each worker keeps its
-            own executables there, see worker/executables.py).
+            instead of compiling them again (minutes for a large model on TPU). A path
+            every host can reach. Not used on CPU (the simulation): an XLA:CPU
+            executable read back runs its collectives in no fixed order
+            (docs/restarts.md), so CPU workers always compile.
         direct_transfer_ttl_s: how long a client's direct put or fetch (one hop between
             client and workers) may take: its capabilities expire then, and what it left
             unfinished on the workers (staged pieces, a pin) is dropped.

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -40,7 +40,6 @@ from slicewise.common.ops import (
     SaveOp,
     op_kind,
 )
-from worker import executables
 from worker.buffers import BufferTable
 from worker.stash import PieceKey
 
@@ -61,8 +60,12 @@ class _Program:
     call: Any
     in_shardings: tuple[Any, ...]
     num_outputs: int
-    called: bool = False  # the first call compiles
-    compiled: Any = None  # its executable, when compiled ahead (worker/executables.py)
+    called: bool = False  # the first call waits for the compile started at load
+    # Its executable, compiled in the background from the moment it is loaded (so that
+    # compiling overlaps restoring a checkpoint and building the first batch); `compiled`
+    # is set by the first call, from `compiling_ahead`.
+    compiled: Any = None
+    compiling_ahead: Future[Any] | None = None
     # Whether it takes its arrays as plain positional arguments (no pytree to rebuild),
     # and how its result becomes the list of its output arrays.
     flat_in: bool = False
@@ -133,6 +136,8 @@ class JaxRuntime:
         # The program being compiled (its first call), for the heartbeat: a host that
         # compiles is busy, not stuck, and the others wait for it in the first collective.
         self.compiling = ""
+        # One background thread compiles loaded programs ahead of their first call.
+        self._compiler = ThreadPoolExecutor(1, thread_name_prefix="compile-ahead")
 
     # -- formation -----------------------------------------------------------------
 
@@ -144,6 +149,10 @@ class JaxRuntime:
 
         if jax.config.jax_platforms in (None, "", "cpu"):  # type: ignore[attr-defined]
             jax.config.update("jax_cpu_collectives_implementation", "gloo")
+            # An XLA:CPU executable read back from storage runs its collectives in no
+            # fixed order (docs/restarts.md), and JAX's persistent cache reads them back:
+            # on CPU every host compiles its programs, every time.
+            jax.config.update("jax_enable_compilation_cache", False)
         started = time.monotonic()
         jax.distributed.initialize(
             coordinator_address=coordinator,
@@ -503,7 +512,7 @@ class JaxRuntime:
             leaves = _one
         else:
             leaves = jax.tree.leaves
-        self._programs[op.program_id] = _Program(
+        program = self._programs[op.program_id] = _Program(
             name=op.name or exported.fun_name,
             exported=exported,
             mesh=mesh,
@@ -513,6 +522,22 @@ class JaxRuntime:
             flat_in=in_tree == jax.tree.structure(((0,) * num_in, {})),
             leaves=leaves,
         )
+        if all(s is not None for s in program.in_shardings):  # else: the first call's jit
+            program.compiling_ahead = self._compiler.submit(self._compile, program)
+
+    @staticmethod
+    def _compile(program: _Program) -> Any:
+        """The program's executable for this gang, compiled here from its artifact."""
+        import jax
+
+        specs = [
+            jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s)
+            for a, s in zip(program.exported.in_avals, program.in_shardings, strict=True)
+        ]
+        tree_args, tree_kwargs = jax.tree.unflatten(program.exported.in_tree, specs)
+        # The mesh context gives the devices to programs that take no array arguments.
+        with jax.set_mesh(program.mesh):
+            return program.call.trace(*tree_args, **tree_kwargs).lower().compile()
 
     def _execute(self, op: ExecOp) -> _Outputs:
         program = self._programs.get(op.program_id)
@@ -525,22 +550,9 @@ class JaxRuntime:
         elif program.called:
             outputs = self._call(program, args)
         else:
-            import jax
-
             try:
                 with self._setting_up(program.name):
-                    cache = os.environ.get(executables.ENV_VAR, "")
-                    if cache and "://" not in cache:  # a bucket: JAX's own cache only
-                        tree_args, tree_kwargs = jax.tree.unflatten(program.exported.in_tree, args)
-                        path = executables.executable_path(
-                            cache, op.program_id, self.gang.num_processes, self.process_id
-                        )
-                        program.compiled = executables.compile_cached(
-                            program.call, tree_args, tree_kwargs, program.mesh, path
-                        )
-                        if program.flat_in:
-                            program.direct = program.compiled
-                            program.single = program.leaves is _one
+                    self._take_compiled(program)
                     outputs = self._call(program, args)
                     # Compiling loaded XLA's compiler for good (slicewise/common/heap.py).
                     heap.settle("the first program compiled")
@@ -555,6 +567,25 @@ class JaxRuntime:
         self.buffers.put_all(op.outputs, outputs)
         report = [outputs[i] for i in op.report] if op.report and self.process_id == 0 else []
         return _Outputs(outputs, report)
+
+    @staticmethod
+    def _take_compiled(program: _Program) -> None:
+        """Waits for the program's compile started at load. One that failed is left to
+        the first call through `jax.jit`, which raises the error where it belongs."""
+        ahead = program.compiling_ahead
+        if ahead is None:
+            return
+        program.compiling_ahead = None
+        try:
+            program.compiled = ahead.result()
+        except Exception as exc:  # noqa: BLE001 - the call below reports it
+            log.warning(
+                "compiling %s ahead failed (%s); its first call compiles it", program.name, exc
+            )
+            return
+        if program.flat_in:
+            program.direct = program.compiled
+            program.single = program.leaves is _one
 
     def _repeat(self, program: _Program, runs: int, first: list[Any]) -> list[Any]:
         """Runs 2..`runs` of a repeated call, each on the outputs of the one before,
@@ -708,20 +739,14 @@ class JaxRuntime:
         what it sends between slices (controller/dcn.py). Uses the executable the first
         call compiled when there is one; else compiles one from the program's signature
         (every process compiles the same module)."""
-        import jax
 
         program = self._programs.get(program_id)
         if program is None:
             raise KeyError(f"program {program_id[:12]} was never loaded on this worker")
         compiled = program.compiled
         if compiled is None:
-            specs = [
-                jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s)
-                for a, s in zip(program.exported.in_avals, program.in_shardings, strict=True)
-            ]
-            tree_args, tree_kwargs = jax.tree.unflatten(program.exported.in_tree, specs)
-            with jax.set_mesh(program.mesh):
-                compiled = program.call.trace(*tree_args, **tree_kwargs).lower().compile()
+            ahead = program.compiling_ahead
+            compiled = ahead.result() if ahead is not None else self._compile(program)
         return str(compiled.as_text())
 
     def stats(self) -> dict[str, Any]:

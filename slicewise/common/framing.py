@@ -8,8 +8,7 @@ Both links prefix each message with its length (8 bytes, network order):
 - the control channel (worker/channel.py, controller/channel.py) sends a JSON hello, then
   frames of operations and completions in the msgpack codec of codec.py: plain data, with
   an explicit registry of the types that may travel, so that nothing a peer sends can
-  make a receiver run code. (worker/executables.py pickles compiled programs, but only
-  into its own on-disk cache, never from the network.)
+  make a receiver run code.
 """
 
 from __future__ import annotations

@@ -83,7 +83,6 @@ def split_aval():
     )
 
 
-@pytest.mark.parametrize("ahead", [False, True], ids=["jit", "compiled-ahead"])
 @pytest.mark.parametrize(
     "fn, args, flat_in, want",
     [
@@ -96,12 +95,8 @@ def split_aval():
     ids=["one-array", "tuple", "dict-out", "dict-in"],
 )
 def test_programs_of_any_argument_and_result_tree_give_their_outputs_in_order(
-    runtime, monkeypatch, tmp_path, ahead, fn, args, flat_in, want
+    runtime, fn, args, flat_in, want
 ):
-    if ahead:  # the first call compiles the executable ahead, through the cache
-        monkeypatch.setenv("JAX_COMPILATION_CACHE_DIR", str(tmp_path))
-    else:
-        monkeypatch.delenv("JAX_COMPILATION_CACHE_DIR", raising=False)
     blob = bytes(jax.export.export(jax.jit(fn), platforms=["cpu"])(*args(split_aval())).serialize())
     runtime.apply(LoadOp(1, "p", blob, MESH, "tree"))
     assert runtime._programs["p"].flat_in is flat_in
@@ -111,6 +106,6 @@ def test_programs_of_any_argument_and_result_tree_give_their_outputs_in_order(
         runtime.apply(ExecOp(seq, "p", ("x",), handles)).wait()
         for handle, value in zip(handles, wanted, strict=True):
             np.testing.assert_array_equal(np.asarray(runtime.buffers.get(handle)), value)
-    assert (runtime._programs["p"].compiled is not None) is ahead
-    # Compiled ahead and taking its arrays as they come: later calls go to it directly.
-    assert (runtime._programs["p"].direct is not None) is (ahead and flat_in)
+    # Compiled when loaded; taking its arrays as they come, later calls go to it directly.
+    assert runtime._programs["p"].compiled is not None
+    assert (runtime._programs["p"].direct is not None) is flat_in
