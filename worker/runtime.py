@@ -736,10 +736,8 @@ class JaxRuntime:
     def compiled_text(self, program_id: str) -> str:
         """The HLO text of a loaded program as XLA compiled it for this gang (partitioned:
         per-device shapes and every collective with its replica groups), for predicting
-        what it sends between slices (controller/dcn.py). Uses the executable the first
-        call compiled when there is one; else compiles one from the program's signature
-        (every process compiles the same module)."""
-
+        what it sends between slices (controller/dcn.py): the executable compiled for it
+        at load (every process compiles the same module)."""
         program = self._programs.get(program_id)
         if program is None:
             raise KeyError(f"program {program_id[:12]} was never loaded on this worker")
