@@ -194,8 +194,9 @@ def test_a_simulated_hosts_dispatch_threads_go_after_its_devices(two_slices):
     """Each worker's executor and the control channel's receiver and sender run under
     SCHED_IDLE (worker/sched.py); its other Python threads (the heartbeat, the watcher)
     do not, nor do the native ones it did not start: XLA's devices', gloo's, Ray's.
-    (Threads the executor starts inherit its policy: XLA's compiler threads, named
-    llvm-worker-N, are started by the first compile.)"""
+    (Threads the executor starts inherit its policy: the thread that compiles programs
+    ahead, started by the first load, and XLA's compiler threads, named llvm-worker-N,
+    started by the first compile.)"""
     from benchmarks.common import attached_to_ray, thread_stats
 
     gang = two_slices
@@ -216,7 +217,8 @@ def test_a_simulated_hosts_dispatch_threads_go_after_its_devices(two_slices):
         idle = {
             python_names.get(tid, name)
             for tid, (name, fields) in threads.items()
-            if int(fields[38]) == SCHED_IDLE and not name.startswith("llvm-worker")
+            if int(fields[38]) == SCHED_IDLE
         }
+        idle = {n for n in idle if not n.startswith(("llvm-worker", "compile-ahead"))}
         assert idle == DISPATCH, f"worker {worker.process_id}: {idle}"
         assert len(threads) > len(idle) + 4, "a worker has its devices' threads too"
