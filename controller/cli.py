@@ -557,9 +557,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--peer-recovery",
-        action="store_true",
+        action=argparse.BooleanOptionalAction,
+        default=None,
         help="recover a lost slice from a surviving slice's replica (data parallel over "
-        "slices): no step lost; keeps each in-flight step's input state on the devices",
+        "slices): no step lost; keeps each in-flight step's input state on the devices "
+        "(default: on whenever every slice holds a whole replica and the job is not "
+        "--elastic)",
     )
     p.add_argument(
         "--elastic",

@@ -313,8 +313,11 @@ class Controller:
     # -- programs -------------------------------------------------------------------
 
     async def register_program(
-        self, gang_id: str, name: str, mesh: MeshSpec, serialized: bytes
+        self, gang_id: str, name: str, mesh: MeshSpec, serialized: bytes, *, ahead: bool = True
     ) -> Program:
+        """Loads a program on the gang's workers (once per gang); with `ahead` they begin
+        compiling it at once, in the background, else at its first call (for a program
+        that may never be called)."""
         gang, client = self.manager.resolve(gang_id)
         mesh.check_fits(gang.shape)
         program_id = program_id_of(serialized, mesh)
@@ -326,17 +329,19 @@ class Controller:
             heap.settle("the first program")
         program.check_fits(gang.shape, gang.platform, gang_id)
         self.programs.add(program)
-        self._ensure_loaded(gang, client, program)
+        self._ensure_loaded(gang, client, program, ahead=ahead)
         return program
 
-    def _ensure_loaded(self, gang: Gang, client: str, program: Program) -> Ticket:
+    def _ensure_loaded(
+        self, gang: Gang, client: str, program: Program, *, ahead: bool = True
+    ) -> Ticket:
         ticket = gang.loaded_programs.get(program.program_id)
         if ticket is None:
             ticket = gang.loaded_programs[program.program_id] = self._submit(
                 gang,
                 client,
                 lambda seq: LoadOp(
-                    seq, program.program_id, program.serialized, program.mesh, program.name
+                    seq, program.program_id, program.serialized, program.mesh, program.name, ahead
                 ),
             )
         return ticket

@@ -149,10 +149,16 @@ def _recovery_story(client: Any, slice_kind: str, spare: bool, say: Callable[[st
             f"  detected {r.detected_at - r.fault_at:.2f} s after the fault; the first step "
             f"after recovery finished {r.resumed_at - r.fault_at:.1f} s after it"
         )
-        say(
-            f"  resumed from checkpoint step {r.resumed_from_step}: {r.steps_lost} step(s) "
-            f"done before the failure ran again"
-        )
+        if r.source == "peer":
+            say(
+                f"  resumed at step {r.resumed_from_step} from the surviving slice's replica: "
+                "no step lost"
+            )
+        else:
+            say(
+                f"  resumed from checkpoint step {r.resumed_from_step}: {r.steps_lost} "
+                "step(s) done before the failure ran again"
+            )
     if not done.recoveries:
         say("  no recovery recorded: the fault did not reach the job")
     return succeeded and len(done.recoveries) == 1

@@ -112,8 +112,9 @@ class JobSpec:
     # Elastic: the fewest slices it continues on after losing one (0: not elastic).
     elastic_min_slices: int = 0
     # Recover a lost slice from a surviving slice's replica (no step lost), see
-    # worker/stash.py; keeps each step's input state until the step completes.
-    peer_recovery: bool = False
+    # worker/stash.py; keeps each step's input state until the step completes. None:
+    # on whenever it can be (`peer_recovery_by_default`); the spec keeps the answer.
+    peer_recovery: bool | None = None
     # Preemptions it yields to and resumes from before it fails (None: no limit).
     max_preemptions: int | None = None
     # The tenant that submitted it (controller/auth.py): only it (and admins) see it.
@@ -153,7 +154,9 @@ class JobSpec:
             raise InvalidRequestError(f"a job needs at least 1 slice, asked for {self.num_slices}")
         if self.elastic_min_slices:
             self._check_elastic()
-        if self.peer_recovery:
+        if self.peer_recovery is None:
+            object.__setattr__(self, "peer_recovery", self.peer_recovery_by_default())
+        elif self.peer_recovery:
             self._check_replicated("peer recovery")
         for name, _, _ in self.mesh:
             if name not in MESH_ROLES:
@@ -174,6 +177,15 @@ class JobSpec:
                 "from on fewer slices, and a gang of its own (no gang_id)"
             )
         self._check_replicated("an elastic job")
+
+    def peer_recovery_by_default(self) -> bool:
+        """Whether a job that does not say recovers a lost slice from a surviving
+        replica: when it runs on more than one slice, each holding a whole replica, on a
+        gang of its own, and is not elastic (an elastic job continues from its checkpoint
+        on fewer slices)."""
+        if self.num_slices < 2 or self.elastic_min_slices or self.gang_id:
+            return False
+        return all(dcn <= 1 or name == DATA_AXIS for name, dcn, _ in self.mesh)
 
     def _check_replicated(self, what: str) -> None:
         """Every slice must hold a whole replica: only the data axis may span slices."""

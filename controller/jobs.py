@@ -893,7 +893,11 @@ class JobRunner:
         job.stat_shapes = exported.stat_shapes
         job.flops_per_step = flops
         self.journal.update_job(job.job_id, time.time(), flops_per_step=flops)
-        init = await c.register_program(gang.gang_id, f"{spec.program}.init", mesh, init_art)
+        # Workers compile the step from the moment it is loaded; the init only when it is
+        # called: a job that restores a checkpoint or a replica never calls it.
+        init = await c.register_program(
+            gang.gang_id, f"{spec.program}.init", mesh, init_art, ahead=False
+        )
         step_program = await c.register_program(
             gang.gang_id, f"{spec.program}.step", mesh, step_art
         )
@@ -904,7 +908,7 @@ class JobRunner:
         permute = None
         if exported.permute is not None and slices > 1:
             permute = await c.register_program(
-                gang.gang_id, f"{spec.program}.place_experts", mesh, exported.permute
+                gang.gang_id, f"{spec.program}.place_experts", mesh, exported.permute, ahead=False
             )
         n_state = len(init.outputs)
         batch_sharding = ShardingSpec(mesh, (axes.batch,))

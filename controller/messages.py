@@ -82,7 +82,7 @@ def job_to_pb(job: Job) -> pb.JobInfo:
     info.max_failures = job.spec.max_failures
     info.elastic_min_slices = job.spec.elastic_min_slices
     info.gang_slices = job.gang_slices
-    info.peer_recovery = job.spec.peer_recovery
+    info.peer_recovery = bool(job.spec.peer_recovery)
     if job.spec.max_preemptions is not None:
         info.max_preemptions = job.spec.max_preemptions
     info.keep_checkpoints = job.spec.keep_checkpoints

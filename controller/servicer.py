@@ -738,7 +738,7 @@ class ControllerServicer(pb_grpc.ControllerServicer):
                 request.max_failures if request.HasField("max_failures") else DEFAULT_MAX_FAILURES
             ),
             elastic_min_slices=request.elastic_min_slices,
-            peer_recovery=request.peer_recovery,
+            peer_recovery=(request.peer_recovery if request.HasField("peer_recovery") else None),
             max_preemptions=(
                 request.max_preemptions if request.HasField("max_preemptions") else None
             ),

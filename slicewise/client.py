@@ -275,7 +275,7 @@ class Client:
         keep_steps: Sequence[int] = (),
         max_failures: int | None = None,
         elastic_min_slices: int | None = None,
-        peer_recovery: bool = False,
+        peer_recovery: bool | None = None,
         max_preemptions: int | None = None,
     ) -> pb.JobInfo:
         """Submits a training job of an installed program; returns at once (it queues).
@@ -293,10 +293,12 @@ class Client:
         yields and resumes, up to `max_preemptions` times (None: no limit). An elastic job
         (`elastic_min_slices`) that loses a slice with no spare free continues on as few
         as that many slices, with the same global batch, and grows back to `slices` at a
-        checkpoint once slices are free again. With `peer_recovery` a lost slice is
-        recovered from a surviving slice's replica (data parallelism over slices), from
-        the very step reached, at the cost of device memory for the in-flight steps'
-        input states."""
+        checkpoint once slices are free again. A lost slice is recovered from a
+        surviving slice's replica, from the very step reached, whenever every slice
+        holds a whole replica (data parallelism over slices) and the job is not elastic,
+        at the cost of device memory for the in-flight steps' input states;
+        `peer_recovery` True asks for it (an error where it cannot be), False turns it
+        off (None: the default)."""
         request = pb.SubmitJobRequest(
             program=program,
             num_slices=slices,

@@ -9,7 +9,7 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -522,7 +522,7 @@ class JaxRuntime:
             flat_in=in_tree == jax.tree.structure(((0,) * num_in, {})),
             leaves=leaves,
         )
-        if all(s is not None for s in program.in_shardings):  # else: the first call's jit
+        if op.ahead and all(s is not None for s in program.in_shardings):
             program.compiling_ahead = self._compiler.submit(self._compile, program)
 
     @staticmethod
@@ -535,9 +535,12 @@ class JaxRuntime:
             for a, s in zip(program.exported.in_avals, program.in_shardings, strict=True)
         ]
         tree_args, tree_kwargs = jax.tree.unflatten(program.exported.in_tree, specs)
+        started = time.monotonic()
         # The mesh context gives the devices to programs that take no array arguments.
         with jax.set_mesh(program.mesh):
-            return program.call.trace(*tree_args, **tree_kwargs).lower().compile()
+            compiled = program.call.trace(*tree_args, **tree_kwargs).lower().compile()
+        log.info("compiled %s in %.2f s", program.name, time.monotonic() - started)
+        return compiled
 
     def _execute(self, op: ExecOp) -> _Outputs:
         program = self._programs.get(op.program_id)
@@ -568,16 +571,18 @@ class JaxRuntime:
         report = [outputs[i] for i in op.report] if op.report and self.process_id == 0 else []
         return _Outputs(outputs, report)
 
-    @staticmethod
-    def _take_compiled(program: _Program) -> None:
-        """Waits for the program's compile started at load. One that failed is left to
-        the first call through `jax.jit`, which raises the error where it belongs."""
+    def _take_compiled(self, program: _Program) -> None:
+        """The program's executable for its first call: the one compiled ahead, waited
+        for; compiled here and now when the background thread has not begun it (it is
+        busy with a program loaded before, perhaps one that is never called). One that
+        fails to compile is left to the first call through `jax.jit`, which raises the
+        error where it belongs."""
         ahead = program.compiling_ahead
         if ahead is None:
             return
         program.compiling_ahead = None
         try:
-            program.compiled = ahead.result()
+            program.compiled = self._compile(program) if ahead.cancel() else ahead.result()
         except Exception as exc:  # noqa: BLE001 - the call below reports it
             log.warning(
                 "compiling %s ahead failed (%s); its first call compiles it", program.name, exc
@@ -744,7 +749,10 @@ class JaxRuntime:
         compiled = program.compiled
         if compiled is None:
             ahead = program.compiling_ahead
-            compiled = ahead.result() if ahead is not None else self._compile(program)
+            try:
+                compiled = ahead.result() if ahead is not None else self._compile(program)
+            except CancelledError:  # the first call took it over: compile one here
+                compiled = self._compile(program)
         return str(compiled.as_text())
 
     def stats(self) -> dict[str, Any]:

@@ -27,13 +27,15 @@ class PutOp:
 
 @dataclass(frozen=True)
 class LoadOp:
-    """Deserialize a jax.export artifact and keep it ready to call on `mesh`."""
+    """Deserialize a jax.export artifact and keep it ready to call on `mesh`; with
+    `ahead`, begin compiling it at once, in the background (else its first call does)."""
 
     seq: int
     program_id: str
     serialized: bytes = field(repr=False)
     mesh: MeshSpec
     name: str = ""
+    ahead: bool = True
 
 
 @dataclass(frozen=True)

@@ -81,7 +81,8 @@ def test_a_job_recovers_by_itself_from_a_fault_with_the_same_losses(
     rng = random.Random(seed)
     at, victim = rng.randint(EVERY + 1, STEPS - 8), rng.randrange(2)
     print(f"seed {seed}: {kind} of process {victim} once step {at} is done")
-    job = submit_lm(client, STEPS, checkpoint_every=EVERY)
+    # From the checkpoint: the replica path (on by default) is the test below.
+    job = submit_lm(client, STEPS, checkpoint_every=EVERY, peer_recovery=False)
     watcher, messages = watch_messages(client, job.job_id)
     said = client.inject_fault(job.job_id, kind, at_step=at, process=victim)
     assert said == f"job {job.job_id}: {kind} of process {victim}, once step {at} is done"
@@ -128,49 +129,27 @@ def step_log(client, job_id: str) -> tuple[threading.Thread, list[int]]:
     return reader, steps
 
 
-# Runs of the peer-recovery scenario until one where the surviving worker survives.
-PEER_ATTEMPTS = 5
-
-
-@pytest.mark.timeout(1500)
-def test_a_slice_lost_with_a_replica_elsewhere_loses_no_step(
-    chaos_controller, chaos_client, uninterrupted
-):
-    """A killed worker can take the other one with it a few hundred ms later: gloo on
-    CPU aborts the survivor ("Received data size doesn't match expected size",
-    std::terminate in its TCP loop; a known bug of the simulation, in the README's notes).
-    The survivor's stash is started with the job and filled at once, so it usually lives
-    long enough; when it does not, no replica survives and the job falls back to its
-    checkpoint, as it should, and the scenario is run again, up to PEER_ATTEMPTS times.
-    Whenever the survivor lives, the job must recover from it, losing no step."""
+@pytest.mark.timeout(900)
+def test_a_slice_lost_with_a_replica_elsewhere_loses_no_step(chaos_client, uninterrupted):
+    """With default flags, a job data parallel over two slices that loses a worker
+    continues from the surviving slice's replica: no step lost, every step completed
+    once, the uninterrupted losses. (The survivor used to abort inside gloo now and then
+    after its peer's death, "Received data size doesn't match expected size", and this
+    test ran its scenario again until it lived: the cause was executables read back from
+    storage, docs/restarts.md.)"""
     client = chaos_client
-    for attempt in range(1, PEER_ATTEMPTS + 1):
-        seed = int.from_bytes(os.urandom(4), "little")
-        at = random.Random(seed).randint(EVERY + 1, STEPS - 8)
-        print(f"attempt {attempt}, seed {seed}: kill-worker of process 1 once step {at} is done")
-        job = submit_lm(client, STEPS, checkpoint_every=EVERY, peer_recovery=True)
-        reader, log = step_log(client, job.job_id)
-        client.inject_fault(job.job_id, "kill-worker", at_step=at, process=1)
-        done, steps = finished(client, job.job_id)
-        reader.join(timeout=60)
-        assert done.state == pb.JOB_STATE_SUCCEEDED and done.peer_recovery
-        assert len(done.recoveries) == 1, f"one fault, {len(done.recoveries)} recoveries: {done}"
-        (recovery,) = done.recoveries
-        if recovery.source == "peer":
-            break
-        # Only the survivor's own death excuses a recovery from the checkpoint: then
-        # neither slice could give its replica, the killed one's nor the survivor's.
-        died = {
-            line.partition(": slice ")[2].partition(" ")[0]
-            for line in controller_log(chaos_controller).splitlines()
-            if f"job {job.job_id}: slice " in line
-            and "cannot give its replica" in line
-            and "died" in line
-        }
-        assert len(died) == 2, f"no peer recovery, though the survivor did not die: {recovery}"
-        print(f"the survivor died too (the gloo abort): slices {sorted(died)}")
-    else:
-        pytest.fail(f"in {PEER_ATTEMPTS} runs the surviving worker died with its peer each time")
+    seed = int.from_bytes(os.urandom(4), "little")
+    at = random.Random(seed).randint(EVERY + 1, STEPS - 8)
+    print(f"seed {seed}: kill-worker of process 1 once step {at} is done")
+    job = submit_lm(client, STEPS, checkpoint_every=EVERY)
+    reader, log = step_log(client, job.job_id)
+    client.inject_fault(job.job_id, "kill-worker", at_step=at, process=1)
+    done, steps = finished(client, job.job_id)
+    reader.join(timeout=60)
+    assert done.state == pb.JOB_STATE_SUCCEEDED and done.peer_recovery
+    assert len(done.recoveries) == 1, f"one fault, {len(done.recoveries)} recoveries: {done}"
+    (recovery,) = done.recoveries
+    assert recovery.source == "peer", recovery
     assert recovery.resumed_from_step == recovery.failed_at_step >= at, recovery
     assert recovery.steps_lost == 0
     # By the job's own step log: every step completed exactly once, none computed twice.
