@@ -8,9 +8,10 @@ kill-worker (one host's worker SIGKILLed), remove-host (the simulated host goes 
 raylet and all; the simulation, 3 x v5litepod-4, has a spare slice for the job to move
 to), hang-collective (one host's executor stops before a step while the other waits in
 its collectives) or kill-controller (the controller SIGKILLs itself and this process
-starts it again at once on the same state directory and port). The job recovers by
-itself from the first three (RECOVERING, a new gang, the newest committed step
-restored); the fourth it continues once the new controller is up. Right after each
+starts it again at once on the same state directory and port). The job, with default
+flags, recovers by itself from the first three (RECOVERING, a new gang, the surviving
+slice's replica of the step reached, or the newest committed step when no replica
+survives); the fourth it continues once the new controller is up. Right after each
 faulted job ends, the baseline: what a user without recovery does, submit the same job
 again on its checkpoint directory (with 2 more steps than it holds, so that there is
 something to do), which restores the newest committed step and trains on.
