@@ -26,6 +26,28 @@ def spec(**kw):
     return JobSpec(**(base | kw))
 
 
+@pytest.mark.parametrize(
+    "kw, on",
+    [
+        ({}, True),  # two slices, data parallel over them by default
+        ({"mesh": (("data", 2, 1), ("fsdp", 1, 4))}, True),
+        ({"num_slices": 1}, False),  # no other slice to hold a replica
+        ({"mesh": (("expert", 2, 4),)}, False),  # experts split over the slices
+        ({"elastic_min_slices": 1}, False),  # continues from its checkpoint instead
+        ({"gang_id": "g1-abc"}, False),  # the client's gang
+        ({"peer_recovery": False}, False),  # said so
+    ],
+    ids=["default", "data-mesh", "one-slice", "experts", "elastic", "held-gang", "off"],
+)
+def test_peer_recovery_is_on_whenever_every_slice_holds_a_replica(kw, on):
+    assert spec(**kw).peer_recovery is on
+
+
+def test_peer_recovery_asked_for_where_no_slice_holds_a_replica_is_refused():
+    with pytest.raises(InvalidRequestError, match="only the 'data' axis may span slices"):
+        spec(mesh=(("expert", 2, 4),), peer_recovery=True)
+
+
 def test_the_normal_life_of_a_job():
     job = Job("j1", spec())
     for state in (JobState.ADMITTED, JobState.STARTING, JobState.RUNNING, JobState.SUCCEEDED):
