@@ -8,8 +8,10 @@ controller's log.
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import os
+from collections.abc import Iterator
 from pathlib import Path
 from typing import IO
 
@@ -59,6 +61,24 @@ def start_controller(tmp_path_factory, name: str, *, extra_args=(), **kwargs) ->
         proc = ControllerProcess(stderr=log, extra_args=args, **kwargs)
     _LOG_OF[proc.pid] = path
     return proc
+
+
+@contextlib.contextmanager
+def chaos_controller_on(
+    tmp_path_factory, name: str, sim: str, step_timeout_s: float
+) -> Iterator[ControllerProcess]:
+    """A controller of a module's own on `sim`, accepting fault injection, with a step
+    watchdog of `step_timeout_s`; stopped (and checked to exit cleanly) at the end."""
+    proc = start_controller(
+        tmp_path_factory,
+        name,
+        sim=sim,
+        extra_args=("--allow-chaos", "--step-timeout", str(step_timeout_s)),
+    )
+    try:
+        yield proc
+    finally:
+        assert proc.stop() == 0
 
 
 def controller_log(controller: ControllerProcess) -> str:

@@ -24,7 +24,7 @@ import pytest
 
 import slicewise
 from protos import controller_pb2 as pb
-from tests.integration.conftest import controller_log, start_controller
+from tests.integration.conftest import chaos_controller_on, controller_log
 from tests.integration.test_checkpoints import (
     assert_losses_match,
     finished,
@@ -49,16 +49,10 @@ CAUSES = {
 
 @pytest.fixture(scope="module")
 def chaos_controller(tmp_path_factory):
-    proc = start_controller(
-        tmp_path_factory,
-        "recovery-controller",
-        sim="3xv5litepod-4",
-        extra_args=("--allow-chaos", "--step-timeout", str(STEP_TIMEOUT_S)),
-    )
-    try:
+    with chaos_controller_on(
+        tmp_path_factory, "recovery-controller", "3xv5litepod-4", STEP_TIMEOUT_S
+    ) as proc:
         yield proc
-    finally:
-        assert proc.stop() == 0
 
 
 @pytest.fixture(scope="module")

@@ -21,7 +21,7 @@ import pytest
 
 import slicewise
 from protos import controller_pb2 as pb
-from tests.integration.conftest import start_controller
+from tests.integration.conftest import chaos_controller_on
 from tests.integration.test_checkpoints import assert_losses_match, finished, submit_lm
 
 pytestmark = pytest.mark.integration
@@ -32,16 +32,10 @@ STEP_TIMEOUT_S = 8
 
 @pytest.fixture(scope="module")
 def two_slices(tmp_path_factory):
-    proc = start_controller(
-        tmp_path_factory,
-        "restarts-controller",
-        sim="2xv5litepod-4",
-        extra_args=("--allow-chaos", "--step-timeout", str(STEP_TIMEOUT_S)),
-    )
-    try:
+    with chaos_controller_on(
+        tmp_path_factory, "restarts-controller", "2xv5litepod-4", STEP_TIMEOUT_S
+    ) as proc:
         yield proc
-    finally:
-        assert proc.stop() == 0
 
 
 @pytest.fixture(scope="module")
