@@ -108,6 +108,7 @@ class Gang:
         # A stall this long on a worker fails the gang (controller/health.py); the job
         # that runs on the gang sets it from its step times. None: stalls are not judged.
         self.step_deadline_s: float | None = None
+        self.lag_deadline_s: float | None = None  # see controller/health.py
         # When it last failed (time.time()), and when the fault behind that began, where
         # the heartbeats tell (a stall's start; 0: unknown).
         self.failed_at = 0.0
@@ -430,6 +431,7 @@ class Gang:
                 reports,
                 heartbeat_timeout_s=self.options.heartbeat_timeout_s,
                 step_deadline_s=self.step_deadline_s,
+                lag_deadline_s=self.lag_deadline_s,
             )
             if reason is not None:
                 quiet = max(max(r.stalled_s, r.silent_s) for r in reports)

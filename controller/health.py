@@ -13,6 +13,16 @@ issue 38503):
   that stall passes the gang's step deadline (set by the job that runs on it, from its
   own step times), the gang fails, naming the host that is behind.
 
+  A host that is behind its peers is told apart sooner, at the gang's lag deadline (a
+  few seconds): it has held a step its peers completed, and completed nothing since,
+  while they wait in the next step's collectives, for which they need it. A step is
+  one program for every host, so the hosts of a healthy gang are never a whole step
+  apart for long: the peers could not have completed the step without the laggard in
+  its collectives, and what the laggard has left of it after the last one is a
+  fraction of a step. A slow step keeps every host in the same one (the step deadline
+  judges it), a compile stops all judging, and a host behind on anything but a step
+  (a checkpoint save, a copy) is left to the step deadline.
+
 `diagnose` is the judgement, a pure function of what the heartbeats said; `Gang` runs it
 every `WATCH_PERIOD_S` while it is usable. When a gang fails, `raylet_answers` tells
 whether its hosts are still there (admission.py marks the ones that are not as lost, so
@@ -33,6 +43,14 @@ WATCH_PERIOD_S = 0.25
 # call) says so in its heartbeat, and no stall counts while one does: the others wait for
 # it in the first collective.
 UNWATCHED_KINDS = frozenset({"restore", "closecheckpoints", "load"})
+
+# The operations a host may be caught behind on by the lag deadline: a program's call (and
+# the chaos hang, which stands in for a host stuck before one).
+LAG_KINDS = frozenset({"exec", "hang"})
+
+# The lag deadline never goes below this, whatever the steps take: a host descheduled for
+# a moment on a loaded machine is no fault.
+LAG_FLOOR_S = 3.0
 
 
 @dataclass(frozen=True)
@@ -56,8 +74,18 @@ class HostReport:
     compiling: str = ""
 
 
+def lag_deadline(slowest_step_s: float) -> float:
+    """How long a host may stay a step behind its waiting peers before its gang fails:
+    3x the job's slowest step so far, never less than `LAG_FLOOR_S`."""
+    return max(LAG_FLOOR_S, 3.0 * slowest_step_s)
+
+
 def diagnose(
-    hosts: Sequence[HostReport], *, heartbeat_timeout_s: float, step_deadline_s: float | None
+    hosts: Sequence[HostReport],
+    *,
+    heartbeat_timeout_s: float,
+    step_deadline_s: float | None,
+    lag_deadline_s: float | None = None,
 ) -> str | None:
     """Why the gang must fail now, or None while every host is answering and moving.
 
@@ -66,6 +94,9 @@ def diagnose(
         heartbeat_timeout_s: a worker silent this long has stopped answering.
         step_deadline_s: a stall this long is a stuck collective; None: stalls are not
             judged (a client's gang, whose programs may run as long as they like).
+        lag_deadline_s: a host behind on a step this long, while its peers wait for it
+            as long in a later one, is stuck (see the module's docstring); None: only
+            the step deadline judges stalls.
     """
     silent = [h for h in hosts if h.silent_s > heartbeat_timeout_s]
     if silent:
@@ -79,14 +110,28 @@ def diagnose(
     if step_deadline_s is None or any(h.compiling for h in hosts):
         return None
     busy = [h for h in hosts if h.oldest_seq]
-    stuck = [h for h in busy if h.oldest_kind not in UNWATCHED_KINDS]
-    if not any(h.stalled_s > step_deadline_s for h in stuck):
+    if not busy:
         return None
-    limit = f"limit {step_deadline_s:.1f} s, --step-timeout"
     behind = min(h.oldest_seq for h in busy)
     laggards = [h for h in busy if h.oldest_seq == behind]
     waiting = [h for h in busy if h.oldest_seq != behind]
     first = laggards[0]
+    lagging = (
+        lag_deadline_s is not None
+        and waiting
+        and all(h.oldest_kind in LAG_KINDS for h in busy)
+        and min(h.stalled_s for h in busy) > lag_deadline_s
+    )
+    stuck = [h for h in busy if h.oldest_kind not in UNWATCHED_KINDS]
+    if lagging:
+        limit = (
+            f"limit {lag_deadline_s:.1f} s for a host behind its peers: 3x the slowest "
+            f"step, at least {LAG_FLOOR_S:g} s"
+        )
+    elif any(h.stalled_s > step_deadline_s for h in stuck):
+        limit = f"limit {step_deadline_s:.1f} s, --step-timeout"
+    else:
+        return None
     if not waiting:
         return (
             f"op {behind} ({first.oldest_kind}) has not completed on any of the "

@@ -58,6 +58,7 @@ from controller.dataroots import check_corpus
 from controller.dcn import DcnMeter
 from controller.gang import failpoint
 from controller.gangstate import GangState
+from controller.health import lag_deadline
 from controller.job import (
     DATA_AXIS,
     EXPERT_AXIS,
@@ -1009,6 +1010,7 @@ class JobRunner:
             job.recoveries[-1].resumed_from = job.step
             self._journal_recoveries(job)
         gang.step_deadline_s = step_deadline(c.options.step_timeout_s, job.slowest_step_s)
+        gang.lag_deadline_s = lag_deadline(job.slowest_step_s)
         job.compiled_at = job.step  # new workers compile the step program on this one
         job.step_program_id = step_program.program_id
         job.dcn_predicted = job.dcn_meter = None  # this start's mesh and workers
@@ -1314,6 +1316,7 @@ class JobRunner:
             gang.step_deadline_s = step_deadline(
                 self.controller.options.step_timeout_s, job.slowest_step_s
             )
+            gang.lag_deadline_s = lag_deadline(job.slowest_step_s)
         if job.recoveries and not job.recoveries[-1].resumed_at:
             job.recoveries[-1].resumed_at = measured.wall_time
             self._journal_recoveries(job)

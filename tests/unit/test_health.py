@@ -8,15 +8,15 @@ import random
 import pytest
 
 from controller.chaos import plan_fault
-from controller.health import HostReport, diagnose
+from controller.health import LAG_FLOOR_S, HostReport, diagnose, lag_deadline
 from controller.jobs import step_deadline
 from slicewise.common.errors import FailedPreconditionError, InvalidRequestError
 
 A, B, C = (f"host 0 of slice sim-{i}-v5litepod-4" for i in range(3))
 
 
-def judge(*hosts: HostReport, deadline: float | None = 8.0) -> str | None:
-    return diagnose(hosts, heartbeat_timeout_s=10.0, step_deadline_s=deadline)
+def judge(*hosts: HostReport, deadline: float | None = 8.0, lag: float | None = None) -> str | None:
+    return diagnose(hosts, heartbeat_timeout_s=10.0, step_deadline_s=deadline, lag_deadline_s=lag)
 
 
 def test_hosts_that_answer_and_move_are_healthy():
@@ -69,6 +69,49 @@ def test_a_collective_every_host_waits_in_is_reported_as_never_completing():
 )
 def test_stalls_that_are_not_stuck_collectives(hosts, deadline):
     assert judge(*hosts, deadline=deadline) is None
+
+
+def test_a_host_a_step_behind_its_waiting_peers_fails_the_gang_at_the_lag_deadline():
+    reason = judge(
+        HostReport(A, 0.2, 98, "exec", 3.4),
+        HostReport(B, 0.3, 97, "hang", 3.6),
+        HostReport(C, 0.1, 98, "exec", 3.3),
+        deadline=20.0,
+        lag=3.0,
+    )
+    assert reason == (
+        f"a collective is stuck on {B}: stuck at op 97 (hang) for 3.6 s while 2 other "
+        "host(s) wait in op 98 (exec) (limit 3.0 s for a host behind its peers: 3x the "
+        f"slowest step, at least {LAG_FLOOR_S:g} s)"
+    )
+
+
+@pytest.mark.parametrize(
+    "hosts",
+    [
+        # Every host in the same step: a slow step, for the step deadline to judge.
+        (HostReport(A, 0.2, 40, "exec", 9.0), HostReport(B, 0.2, 40, "exec", 9.0)),
+        # The peers have only just moved on (they have not waited past the deadline).
+        (HostReport(A, 0.2, 41, "exec", 0.4), HostReport(B, 0.2, 40, "exec", 9.0)),
+        # Behind on a checkpoint save, which may rightly take long.
+        (HostReport(A, 0.2, 41, "exec", 9.0), HostReport(B, 0.2, 40, "save", 9.0)),
+        # A host compiles: the others wait for it in the program's first collective.
+        (HostReport(A, 0.2, 41, "exec", 9.0), HostReport(B, 0.2, 40, "exec", 9.0, "step")),
+    ],
+)
+def test_what_the_lag_deadline_leaves_alone(hosts):
+    assert judge(*hosts, deadline=20.0, lag=3.0) is None
+
+
+def test_without_a_lag_deadline_a_host_behind_waits_for_the_step_deadline():
+    behind = (HostReport(A, 0.2, 41, "exec", 9.0), HostReport(B, 0.2, 40, "hang", 9.0))
+    assert judge(*behind, deadline=20.0) is None
+    assert judge(*behind, deadline=20.0, lag=3.0) is not None
+
+
+def test_the_lag_deadline_is_three_slowest_steps_and_never_below_its_floor():
+    assert lag_deadline(0.2) == LAG_FLOOR_S
+    assert lag_deadline(2.0) == 6.0
 
 
 def test_a_silent_host_is_judged_even_without_a_deadline():
