@@ -19,7 +19,11 @@ BENCHMARKS = {
     "recovery": "benchmarks.recovery",
     "moe": "benchmarks.moe_dispatch",
     "load": "benchmarks.load",
+    "soak": "benchmarks.soak",
 }
+# Run only when named: each takes long (soak: about an hour by default).
+ON_REQUEST = ("soak",)
+DEFAULT = [name for name in BENCHMARKS if name not in ON_REQUEST]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -28,9 +32,13 @@ def main(argv: list[str] | None = None) -> int:
         "names",
         nargs="*",
         metavar="NAME",
-        help=f"benchmarks to run (default: all of {', '.join(BENCHMARKS)})",
+        help=f"benchmarks to run (default: all of {', '.join(DEFAULT)}; "
+        f"{', '.join(ON_REQUEST)} only when named)",
     )
     parser.add_argument("--quick", action="store_true", help="fewer sizes and repeats")
+    # Benchmarks with options of their own add them here (they say which benchmark's).
+    for name in ON_REQUEST:
+        importlib.import_module(BENCHMARKS[name]).add_arguments(parser)
     args = parser.parse_args(argv)
     unknown = [n for n in args.names if n not in BENCHMARKS]
     if unknown:
@@ -38,12 +46,15 @@ def main(argv: list[str] | None = None) -> int:
     from benchmarks.common import write_result
 
     failed = []
-    for name in args.names or list(BENCHMARKS):
+    for name in args.names or DEFAULT:
         module = importlib.import_module(BENCHMARKS[name])
         print(f"== {name}: {(module.__doc__ or name).strip().splitlines()[0]}", flush=True)
         started = time.monotonic()
         try:
-            result = module.run(args.quick)
+            if hasattr(module, "add_arguments"):
+                result = module.run(args.quick, args)
+            else:
+                result = module.run(args.quick)
         except Exception as exc:  # noqa: BLE001 - report, go on with the next benchmark
             print(f"   {name} failed: {type(exc).__name__}: {exc}", file=sys.stderr)
             failed.append(name)
