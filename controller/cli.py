@@ -421,10 +421,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--compilation-cache",
         metavar="DIR",
         default=os.environ.get(COMPILATION_CACHE_ENV, ""),
-        help="JAX's persistent compilation cache for the workers on TPU, a path every "
-        "host can reach: a recovered gang loads its programs instead of compiling them "
-        f"(default: ${COMPILATION_CACHE_ENV} if set, else none). CPU workers (--sim) "
-        "never read it: see docs/restarts.md",
+        help="where the workers keep compiled programs, a filesystem path on every host: "
+        "a gang started again loads its programs instead of compiling them (default: "
+        f"${COMPILATION_CACHE_ENV} if set, else <state-dir>/jax-cache with --sim, none "
+        "otherwise). On TPU, also JAX's persistent compilation cache",
     )
     p.add_argument(
         "--allow-chaos",

@@ -29,12 +29,12 @@ class ControllerOptions:
         step_timeout_s: the least time a training step may stall on a worker before its
             gang fails as stuck (the deadline is 10x the job's slowest step, if more).
         allow_chaos: accept fault injection (`slicewise chaos`), which kills processes.
-        compilation_cache_dir: JAX's persistent compilation cache for the workers ("":
-            none): a gang started again after a failure loads its programs from it
-            instead of compiling them again (minutes for a large model on TPU). A path
-            every host can reach. Not used on CPU (the simulation): an XLA:CPU
-            executable read back runs its collectives in no fixed order
-            (docs/restarts.md), so CPU workers always compile.
+        compilation_cache_dir: where the workers keep compiled programs ("": nowhere):
+            a gang started again after a failure loads its programs from it instead of
+            compiling them again (seconds of a restart on CPU; minutes for a large model
+            on TPU). A filesystem path on every host (each worker keeps its own
+            executables there, see worker/executables.py); on TPU, also JAX's
+            persistent compilation cache.
         direct_transfer_ttl_s: how long a client's direct put or fetch (one hop between
             client and workers) may take: its capabilities expire then, and what it left
             unfinished on the workers (staged pieces, a pin) is dropped.

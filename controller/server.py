@@ -4,6 +4,7 @@ SIGTERM or Ctrl-C stops every worker and simulated host it started."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import os
 import signal
@@ -152,6 +153,12 @@ def run(config: ServerConfig) -> int:
     if lock is None:
         return 2
     log.info("state (journal, default checkpoint directories) in %s", state_dir)
+    if config.sim and not config.options.compilation_cache_dir:
+        # Every simulated host is on this machine: one directory serves them all.
+        cache = str(state_dir / "jax-cache")
+        config = dataclasses.replace(
+            config, options=dataclasses.replace(config.options, compilation_cache_dir=cache)
+        )
     simulation = None
     if config.sim:
         log.info("starting simulated cluster %s", config.sim)

@@ -40,6 +40,7 @@ from slicewise.common.ops import (
     SaveOp,
     op_kind,
 )
+from worker import executables
 from worker.buffers import BufferTable
 from worker.stash import PieceKey
 
@@ -60,6 +61,7 @@ class _Program:
     call: Any
     in_shardings: tuple[Any, ...]
     num_outputs: int
+    program_id: str = ""  # the controller's id (content and mesh): the key of a kept one
     called: bool = False  # the first call waits for the compile started at load
     # Its executable, compiled in the background from the moment it is loaded (so that
     # compiling overlaps restoring a checkpoint and building the first batch); `compiled`
@@ -149,9 +151,10 @@ class JaxRuntime:
 
         if jax.config.jax_platforms in (None, "", "cpu"):  # type: ignore[attr-defined]
             jax.config.update("jax_cpu_collectives_implementation", "gloo")
-            # An XLA:CPU executable read back from storage runs its collectives in no
-            # fixed order (docs/restarts.md), and JAX's persistent cache reads them back:
-            # on CPU every host compiles its programs, every time.
+            # JAX's persistent cache reads an XLA:CPU executable back as it was stored,
+            # and such a one runs a loop's collectives in no fixed order with the ones
+            # around it (docs/restarts.md). Workers keep their own, rewritten to keep
+            # the order (worker/executables.py).
             jax.config.update("jax_enable_compilation_cache", False)
         started = time.monotonic()
         jax.distributed.initialize(
@@ -513,6 +516,7 @@ class JaxRuntime:
         else:
             leaves = jax.tree.leaves
         program = self._programs[op.program_id] = _Program(
+            program_id=op.program_id,
             name=op.name or exported.fun_name,
             exported=exported,
             mesh=mesh,
@@ -525,11 +529,27 @@ class JaxRuntime:
         if op.ahead and all(s is not None for s in program.in_shardings):
             program.compiling_ahead = self._compiler.submit(self._compile, program)
 
-    @staticmethod
-    def _compile(program: _Program) -> Any:
-        """The program's executable for this gang, compiled here from its artifact."""
+    def _compile(self, program: _Program) -> Any:
+        """The program's executable for this gang: the one this process index kept when
+        an earlier gang compiled it (worker/executables.py), else compiled here from its
+        artifact, and kept."""
         import jax
 
+        where = executables.directory()
+        path = None
+        if where and program.program_id:
+            path = executables.executable_path(
+                where, program.program_id, self.gang.num_processes, self.process_id
+            )
+            started = time.monotonic()
+            kept = executables.load(path)
+            if kept is not None:
+                log.info(
+                    "loaded %s as an earlier gang compiled it in %.2f s",
+                    program.name,
+                    time.monotonic() - started,
+                )
+                return kept
         specs = [
             jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s)
             for a, s in zip(program.exported.in_avals, program.in_shardings, strict=True)
@@ -540,6 +560,8 @@ class JaxRuntime:
         with jax.set_mesh(program.mesh):
             compiled = program.call.trace(*tree_args, **tree_kwargs).lower().compile()
         log.info("compiled %s in %.2f s", program.name, time.monotonic() - started)
+        if path is not None:
+            executables.store(compiled, path, program.mesh.devices.flat[0].platform)
         return compiled
 
     def _execute(self, op: ExecOp) -> _Outputs:

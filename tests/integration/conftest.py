@@ -65,15 +65,16 @@ def start_controller(tmp_path_factory, name: str, *, extra_args=(), **kwargs) ->
 
 @contextlib.contextmanager
 def chaos_controller_on(
-    tmp_path_factory, name: str, sim: str, step_timeout_s: float
+    tmp_path_factory, name: str, sim: str, step_timeout_s: float, *extra_args: str
 ) -> Iterator[ControllerProcess]:
     """A controller of a module's own on `sim`, accepting fault injection, with a step
-    watchdog of `step_timeout_s`; stopped (and checked to exit cleanly) at the end."""
+    watchdog of `step_timeout_s` (and `extra_args`); stopped (and checked to exit
+    cleanly) at the end."""
     proc = start_controller(
         tmp_path_factory,
         name,
         sim=sim,
-        extra_args=("--allow-chaos", "--step-timeout", str(step_timeout_s)),
+        extra_args=("--allow-chaos", "--step-timeout", str(step_timeout_s), *extra_args),
     )
     try:
         yield proc

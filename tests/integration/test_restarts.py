@@ -6,10 +6,12 @@ three jobs one after another, the second losing a worker at a random step (its n
 gang takes the same two hosts). Each job ends `succeeded` with no gang failure but
 the one injected (a step stuck in a collective would fail its gang within the short
 step watchdog here, and count), and the uninterrupted run's loss at every step, bit for
-bit. Jobs that ran like this hung in their collectives when workers read back the
-executables an earlier gang had stored (docs/restarts.md). The third scenario, a
-controller killed and started again on the same state directory, is
-test_controller_restart.py.
+bit. The controller keeps its workers' compiled programs in a directory of its own:
+the first job's workers compile the step and keep it, and every gang after it reads
+it back. Jobs that ran like this hung in their collectives when the executables kept
+were the ones XLA compiled, whose loop runs its collectives in no fixed order with the
+ones around it once read back (docs/restarts.md). The third scenario, a controller
+killed and started again on the same state directory, is test_controller_restart.py.
 """
 
 from __future__ import annotations
@@ -31,9 +33,20 @@ STEP_TIMEOUT_S = 8
 
 
 @pytest.fixture(scope="module")
-def two_slices(tmp_path_factory):
+def kept(tmp_path_factory):
+    """Where the module's workers keep their compiled programs."""
+    return tmp_path_factory.mktemp("restarts-kept")
+
+
+@pytest.fixture(scope="module")
+def two_slices(tmp_path_factory, kept):
     with chaos_controller_on(
-        tmp_path_factory, "restarts-controller", "2xv5litepod-4", STEP_TIMEOUT_S
+        tmp_path_factory,
+        "restarts-controller",
+        "2xv5litepod-4",
+        STEP_TIMEOUT_S,
+        "--compilation-cache",
+        str(kept),
     ) as proc:
         yield proc
 
@@ -46,7 +59,7 @@ def client(two_slices):
 
 @pytest.mark.timeout(900)
 def test_the_same_program_three_times_on_the_same_hosts_the_second_losing_a_worker(
-    client, lm_reference
+    client, lm_reference, kept
 ):
     seed = int.from_bytes(os.urandom(4), "little")
     rng = random.Random(seed)
@@ -66,3 +79,6 @@ def test_the_same_program_three_times_on_the_same_hosts_the_second_losing_a_work
             assert done.failures == 0, (run, causes)
         assert [s.step for s in steps] == list(range(STEPS)), run
         assert_losses_match(steps, lm_reference[1], after=f"job {run} on the same hosts")
+        if run == 1:  # what every later gang reads back: the step, for both processes
+            files = [p.name for p in (kept / "slicewise-executables").iterdir()]
+            assert [n for n in files if "-n2-p0-" in n] and [n for n in files if "-n2-p1-" in n]
