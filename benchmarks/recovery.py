@@ -18,11 +18,14 @@ something to do), which restores the newest committed step and trains on.
 
 A round is kill-worker and remove-host (in alternating order) on one controller with
 --sim, which is then stopped and started again (a fresh simulation brings the spare
-slice back for the next round); the hang rounds run on a second controller with
---step-timeout 3 (below); the kill-controller rounds on a third, joined with
---ray-address to a simulated cluster this process runs, as a controller on TPU VMs
-joins a Ray cluster that outlives it (with --sim the simulation would go with the
-controller and start anew, ~6.5 s more here). 3 rounds, 1 with --quick.
+slice back for the next round); the hang rounds run on a second controller; the
+kill-controller rounds on a third, joined with --ray-address to a simulated cluster
+this process runs, as a controller on TPU VMs joins a Ray cluster that outlives it
+(with --sim the simulation would go with the controller and start anew, ~6.5 s more
+here). Then the same without a spare, on warm hosts: kill-worker and hang-collective on
+a controller whose simulation has exactly the job's two slices, so that the new gang
+is the old one's hosts ("no spare" in the results). Every controller has the default
+flags. 3 rounds, 1 with --quick.
 
 How each figure is obtained (all times on this machine's clock; the workers run on it):
 
@@ -58,19 +61,18 @@ How each figure is obtained (all times on this machine's clock; the workers run 
 - remove-host's `fault_at` is the request; the simulation takes a moment more (0.1 to
   0.8 s in our runs) to take the raylet down with the worker on it (steps go on
   meanwhile), and the closed channel is noticed at once: its "detect" is mostly that.
-- The hang is detected by the step watchdog when a host has completed nothing for the
-  gang's step deadline: 10x the job's slowest step so far, at least --step-timeout.
-  Steps here take ~0.1-0.3 s, 10x is at most ~3 s, so the floor decides; the hang
-  controller's is 3 s (the default is 20 s; on a real job with steps of seconds the
-  deadline is 10x its slowest step). Detection of a hang is bounded below by that
-  deadline; the deadline the job had is reported next to it (from its slowest step
-  before the step it resumed from: those steps are not run again, their records stay).
-  Time a host spends compiling, and the others waiting for it, is no stall (the
-  controller tracks it from the heartbeats). Should a healthy gang still fail (listed
-  as `spurious`), every job may fail 6 times (not the default 3); a faulted job's
-  injected recovery is the first one after the checkpoint of step 10, and its first
-  step after the fault is counted however many tries it took; a plain restart that
-  failed so is made again.
+- The hang is detected by the watchdog when the hung host has stayed a step behind
+  its peers, which wait for it in the next step's collectives, for the gang's lag
+  deadline: 3x the job's slowest step so far, at least 3 s (controller/health.py).
+  Steps here take ~0.1-0.3 s, so the floor decides. Detection of a hang is bounded
+  below by that deadline; the deadline the job had is reported next to it (from its
+  slowest step before the step it resumed from: those steps are not run again, their
+  records stay). Time a host spends compiling, and the others waiting for it, is no
+  stall (the controller tracks it from the heartbeats). Should a healthy gang still
+  fail (listed as `spurious`), every job may fail 6 times (not the default 3); a
+  faulted job's injected recovery is the first one after the checkpoint of step 10,
+  and its first step after the fault is counted however many tries it took; a plain
+  restart that failed so is made again.
 """
 
 from __future__ import annotations
@@ -89,18 +91,22 @@ from typing import Any
 import numpy as np
 
 from benchmarks.common import write_result
+from controller.health import LAG_FLOOR_S, lag_deadline
 from controller.simcluster import SimulationProcess
 from programs.lm.config import SMALL_OVERRIDES
 from protos import controller_pb2 as pb
 from slicewise.launch import RestartableController
 
 SIM = "3xv5litepod-4"  # two slices for the job, a spare for remove-host
+WARM_SIM = "2xv5litepod-4"  # the job's two slices and no spare: a new gang is the old hosts
 SLICES, SLICE_TYPE = 2, "v5litepod-4"
 STEPS, EVERY, AT = 30, 10, 15
-STEP_TIMEOUT_S = 3.0  # for the hang case; the controller's default (20 s) for the others
 TARGET_S = 10.0
 ROUNDS = 3
 KINDS = ("kill-worker", "remove-host", "hang-collective", "kill-controller")
+NO_SPARE = ", no spare"  # the label of a kind's runs on warm hosts
+WARM_KINDS = ("kill-worker", "hang-collective")
+LABELS = (*KINDS, *(k + NO_SPARE for k in WARM_KINDS))
 # The LM config of the recovery tests (tests/integration/test_checkpoints.py): steps of
 # ~0.1-0.2 s here.
 CONFIG = SMALL_OVERRIDES | {"total_steps": "40", "seed": "3"}
@@ -155,8 +161,8 @@ def phases(
 
 
 def hang_deadline(step_times: Sequence[float]) -> float:
-    """The step deadline a job had: 10x its slowest step, at least --step-timeout."""
-    return max(STEP_TIMEOUT_S, 10.0 * max(step_times, default=0.0))
+    """The lag deadline a job had: 3x its slowest step, at least 3 s."""
+    return lag_deadline(max(step_times, default=0.0))
 
 
 # -- the controller, started again on the same state directory and port -----------------
@@ -169,16 +175,15 @@ class _Controller(RestartableController):
     def __init__(
         self,
         directory: Path,
-        step_timeout_s: float | None = None,
+        sim: str = SIM,
         ray_address: str | None = None,
         env: dict[str, str] | None = None,
     ) -> None:
-        timeout = () if step_timeout_s is None else ("--step-timeout", f"{step_timeout_s:g}")
         super().__init__(
             directory,
-            sim=None if ray_address else SIM,
+            sim=None if ray_address else sim,
             ray_address=ray_address,
-            extra_args=("--allow-chaos", *timeout),
+            extra_args=("--allow-chaos",),
             env=env,
         )
 
@@ -238,8 +243,11 @@ def injected_recovery(recoveries: Sequence[Any]) -> tuple[int, float]:
     return index, resumed
 
 
-def _recovered_run(ctl: _Controller, client: Any, kind: str, process: int, root: Path) -> dict:
-    """A job meets `kind` on host `process` once step AT is done and recovers by itself."""
+def _recovered_run(
+    ctl: _Controller, client: Any, kind: str, process: int, root: Path, label: str = ""
+) -> dict:
+    """A job meets `kind` on host `process` once step AT is done and recovers by itself;
+    its figures go under `label` (default: the kind)."""
     directory = root / f"{kind}-{time.monotonic_ns()}"
     job, _ = _submit(client, directory, STEPS)
     client.inject_fault(job.job_id, kind, at_step=AT, process=process)
@@ -251,6 +259,7 @@ def _recovered_run(ctl: _Controller, client: Any, kind: str, process: int, root:
     split |= phases(ctl.events(), job.job_id, r.detected_at, resumed_at)
     return {
         "kind": kind,
+        "label": label or kind,
         "process": process,
         "job": job.job_id,
         "cause": r.cause,
@@ -262,7 +271,7 @@ def _recovered_run(ctl: _Controller, client: Any, kind: str, process: int, root:
         "phases_s": split,
         "first_step_time_s": first.step_time_s,
         "spurious": [x.cause for i, x in enumerate(info.recoveries) if i != index],
-        # At the hang controller's floor (the other kinds run with the default, 20 s).
+        # The lag deadline the job had (what detects a hang).
         "step_deadline_s": hang_deadline(_slowest_before(records, r.resumed_from_step)),
         "checkpoint_dir": str(directory),
         "committed_step": info.committed_step,
@@ -309,6 +318,7 @@ def _controller_run(ctl: _Controller, client: Any, root: Path) -> tuple[dict, An
     resumed = info.resumed_from_step
     return {
         "kind": "kill-controller",
+        "label": "kill-controller",
         "process": None,
         "job": job.job_id,
         "cause": "the controller was SIGKILLed and started again",
@@ -456,7 +466,7 @@ def run(quick: bool = False) -> dict[str, Any]:
             client.close()
         ctl.close()
         cluster.stop()
-    ctl = _Controller(root / "hang-controller", STEP_TIMEOUT_S)
+    ctl = _Controller(root / "hang-controller")
     client = None
     try:
         ctl.start()
@@ -464,6 +474,20 @@ def run(quick: bool = False) -> dict[str, Any]:
         for n in range(rounds):
             r = _recovered_run(ctl, client, "hang-collective", n % SLICES, root)
             measured(r, ctl, client, n)
+    finally:
+        if client is not None:
+            client.close()
+        ctl.close()
+    # Warm hosts, no spare: the new gang is the old one's hosts.
+    ctl = _Controller(root / "warm-controller", sim=WARM_SIM)
+    client = None
+    try:
+        ctl.start()
+        client = slicewise.connect(ctl.proc.address, name="bench-recovery")
+        for n in range(rounds):
+            for kind in WARM_KINDS:
+                r = _recovered_run(ctl, client, kind, n % SLICES, root, kind + NO_SPARE)
+                measured(r, ctl, client, n)
     finally:
         if client is not None:
             client.close()
@@ -476,13 +500,14 @@ def run(quick: bool = False) -> dict[str, Any]:
             "steps": STEPS,
             "checkpoint_every": EVERY,
             "fault_at_step": AT,
-            "step_timeout_s": {"hang-collective": STEP_TIMEOUT_S, "others": "default (20)"},
+            "warm_sim": WARM_SIM,
+            "step_timeout_s": "default (20); a hang is detected by the lag deadline",
             "target_s": TARGET_S,
             "rounds": rounds,
             "cores": os.cpu_count(),
             "quick": quick,
         },
-        "kinds": {k: summarize_kind([r for r in runs if r["kind"] == k]) for k in KINDS},
+        "kinds": {k: summarize_kind([r for r in runs if r["label"] == k]) for k in LABELS},
         "runs": runs,
     }
 
@@ -502,13 +527,13 @@ def _fmt(v: float | None) -> str:
 def report(result: dict[str, Any]) -> str:
     kinds = result["kinds"]
     lines = [
-        f"{'fault':<17}{'detect':>8}{'fault->1st step':>17}{'steps lost':>12}"
+        f"{'fault':<28}{'detect':>8}{'fault->1st step':>17}{'steps lost':>12}"
         f"{'plain restart':>15}{'ratio':>7}  target <= {TARGET_S:g} s"
     ]
     for kind, k in kinds.items():
         lost = ",".join(str(v) for v in k["steps_lost"])
         lines.append(
-            f"{kind:<17}{k['detect_s']:>7.2f}s{k['recovery_s']:>16.2f}s{lost:>12}"
+            f"{kind:<28}{k['detect_s']:>7.2f}s{k['recovery_s']:>16.2f}s{lost:>12}"
             f"{k['plain_restart_s']:>14.2f}s{k['ratio']:>7.2f}  "
             + ("met" if k["target_met"] else "MISSED")
             + ("" if k["target_met_every_round"] == k["target_met"] else " (not every round)")
@@ -518,7 +543,7 @@ def report(result: dict[str, Any]) -> str:
         ours = " / ".join(_fmt(k["phases_s"][p]) for p in PHASES)
         plain = " / ".join(_fmt(k["plain_phases_s"][p]) for p in PHASES[3:])
         lines.append(
-            f"  {kind:<16} {ours}  (first step's own time {k['first_step_time_s']:.2f}); "
+            f"  {kind:<27} {ours}  (first step's own time {k['first_step_time_s']:.2f}); "
             f"plain restart: {plain} (first step's own {k['plain_first_step_time_s']:.2f})"
         )
     split = kinds["kill-controller"]["restart_split_s"]
@@ -536,9 +561,9 @@ def report(result: dict[str, Any]) -> str:
         )
     hang = kinds["hang-collective"]
     lines.append(
-        f"hang: detected after {hang['detect_s']:.2f} s (median); the job's step deadline "
-        f"was {hang['step_deadline_s']:.2f} s (10x its slowest step, at least --step-timeout "
-        f"{STEP_TIMEOUT_S:g} s), the lower bound of its detection"
+        f"hang: detected after {hang['detect_s']:.2f} s (median); the job's lag deadline "
+        f"was {hang['step_deadline_s']:.2f} s (3x its slowest step, at least "
+        f"{LAG_FLOOR_S:g} s), the lower bound of its detection"
     )
     return "\n".join(lines)
 
@@ -549,7 +574,7 @@ def plot(result: dict[str, Any], path: Path) -> None:
     kinds = result["kinds"]
     palette = ["tab:red", "tab:purple", "tab:gray", "tab:orange", "tab:green", "tab:blue"]
     colors = dict(zip(PHASES, palette, strict=True))
-    fig, ax = plt.subplots(figsize=(11, 5.5))
+    fig, ax = plt.subplots(figsize=(14, 5.5))
     x = np.arange(len(kinds))
     for offset, key, pale in ((-0.2, "phases_s", False), (0.2, "plain_phases_s", True)):
         bottom = np.zeros(len(kinds))
@@ -581,7 +606,7 @@ def plot(result: dict[str, Any], path: Path) -> None:
     ax.bar(0, 0, color="lightgray", label="pale, right: plain restart from the checkpoint")
     top = max(max(k["recovery_s"], k["plain_restart_s"]) for k in kinds.values())
     ax.set_ylim(top=1.5 * max(top, TARGET_S))
-    ax.set_xticks(x, list(kinds))
+    ax.set_xticks(x, [k.replace(NO_SPARE, "\nno spare") for k in kinds])
     ax.set_ylabel("s from the fault (plain: the submission)\nto the first step")
     ax.set_title(
         f"Recovery (left) vs plain restart (right), lm job on 2 x {SLICE_TYPE}, simulated; "
