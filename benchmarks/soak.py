@@ -1,6 +1,8 @@
-"""Faults made routine: a training job meets a random fault every few minutes for half an
-hour, and its goodput is what is left. Targets: goodput >= 95%, every fault survived,
-every loss identical to an uninterrupted run's, no process left behind.
+"""Faults made routine: a training job's goodput under a random fault every 2 minutes.
+
+For half an hour a training job meets a random fault every few minutes, and its goodput
+is what is left. Targets: goodput >= 95%, every fault survived, every loss identical to
+an uninterrupted run's, no process left behind.
 
 `slicewise bench soak [--minutes 30] [--every 2] [--seed 0]`: an `lm` job (the recovery
 benchmark's config, ~0.2 s steps here) on 2 x v5litepod-4 of a simulated 3 x
@@ -9,7 +11,8 @@ v5litepod-4 cluster, with default flags (peer recovery, a checkpoint every 50 st
 and kill-controller hits a random host of the job at a random step (1 to 25 steps after
 the draw). The cluster runs in a process of its own (`SimulationProcess`) and the
 controller joins it with `--ray-address`, as on TPU VMs, where Ray outlives the
-controller; this process stands in for the supervisor that starts a killed controller
+controller (with `--compilation-cache`, where the workers keep their compiled
+programs); this process stands in for the supervisor that starts a killed controller
 again, at once, on the same state directory and port, and for the cloud that replaces a
 removed host's VM (the host comes back once the job trains again, so that the next
 removal also finds a spare slice). After `--minutes` the job is cancelled, and the same
@@ -205,6 +208,9 @@ class _Soak:
         self.ctl = _Controller(
             root / "controller", ray_address=self.cluster.address, env=self.cluster.ray_env()
         )
+        # Where the workers keep compiled programs, as a deployment gives it: a controller
+        # joined to a cluster has none unless told (with --sim, <state-dir>/jax-cache).
+        self.ctl.extra_args += ("--compilation-cache", str(root / "jax-cache"))
         self.client: Any = None
 
     def start(self) -> None:
