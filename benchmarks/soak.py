@@ -111,8 +111,20 @@ def plan_faults(
     return plan
 
 
+def busy_time(steps: Sequence[tuple[float, float]]) -> float:
+    """Seconds in which some step was running: the union of the intervals
+    [end - own time, end] of `steps` ((end, own time) pairs). Steps in flight overlap,
+    so their own times summed would count some seconds twice."""
+    total, reach = 0.0, float("-inf")
+    for start, end in sorted((end - own, end) for end, own in steps):
+        if end > reach:
+            total += end - max(start, reach)
+            reach = end
+    return total
+
+
 def account(
-    step_times: Sequence[float],
+    steps: Sequence[tuple[float, float]],
     faults: Sequence[dict[str, Any]],
     wall_s: float,
     startup_s: float,
@@ -120,14 +132,15 @@ def account(
     """Goodput and its badput by bucket.
 
     Args:
-        step_times: the own time of every step the job kept, once each.
+        steps: (end, own time) of every step the job kept, once each; productive time is
+            the time in which one of them was running (`busy_time`).
         faults: per fault, `steps_lost` and `phases_s` (detect, controller restart,
             release, new gang, restore, first step) and `first_step_time_s`.
         wall_s: from the job's submission to its last step.
         startup_s: from the submission to the first step.
     """
-    productive = float(sum(step_times))
-    median_step = statistics.median(step_times) if step_times else 0.0
+    productive = busy_time(steps)
+    median_step = statistics.median(own for _, own in steps) if steps else 0.0
     buckets = dict.fromkeys(BUCKETS, 0.0)
     for f in faults:
         split = f.get("phases_s") or {}
@@ -430,13 +443,13 @@ def run(quick: bool = False, args: argparse.Namespace | None = None) -> dict[str
         processes_left = soak.close()
     identical, differ = compare_losses(_losses(records), _losses(reference))
     figures = account(
-        [r.step_time_s for r in records],
+        [(r.wall_time, r.step_time_s) for r in records],
         [f for f in faults if f["survived"]],
         wall,
         records[0].wall_time - submitted,
     )
     ceiling = account(
-        [r.step_time_s for r in reference],
+        [(r.wall_time, r.step_time_s) for r in reference],
         [],
         reference[-1].wall_time - started,
         reference[0].wall_time - started,

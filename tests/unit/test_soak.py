@@ -5,7 +5,14 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks.soak import BUCKETS, STEP_OFFSETS, account, compare_losses, plan_faults
+from benchmarks.soak import (
+    BUCKETS,
+    STEP_OFFSETS,
+    account,
+    busy_time,
+    compare_losses,
+    plan_faults,
+)
 from controller.chaos import KINDS
 
 
@@ -29,7 +36,7 @@ def test_a_plan_needs_a_positive_length_and_interval(minutes, every):
 
 
 def test_goodput_is_kept_step_time_over_wall_time_and_the_badput_adds_up():
-    steps = [0.2] * 400  # 80 s of steps
+    steps = [(20.0 + 0.2 * (n + 1), 0.2) for n in range(400)]  # 80 s of steps
     faults = [
         {
             "steps_lost": 0,
@@ -68,6 +75,14 @@ def test_goodput_is_kept_step_time_over_wall_time_and_the_badput_adds_up():
     assert badput["progress lost"] == pytest.approx(1.0)
     assert badput["startup"] == 5.0
     assert sum(badput.values()) + result["productive_s"] == pytest.approx(100.0)
+
+
+def test_steps_in_flight_are_counted_once():
+    # Three steps of 1 s each, ending 0.5 s apart: busy from 0 to 2 s.
+    assert busy_time([(1.0, 1.0), (1.5, 1.0), (2.0, 1.0)]) == pytest.approx(2.0)
+    # A gap between two steps is not counted, nor is the order of the records.
+    assert busy_time([(10.0, 1.0), (2.0, 2.0)]) == pytest.approx(3.0)
+    assert busy_time([]) == 0.0
 
 
 def test_losses_must_match_the_reference_bit_for_bit_at_every_step():
