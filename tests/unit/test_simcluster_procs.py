@@ -15,16 +15,17 @@ def test_descendants_are_the_children_and_their_children():
     # The root shell starts a sleeping child and a second shell, whose child sleeps too.
     root = subprocess.Popen(["sh", "-c", "sleep 60 & sh -c 'sleep 60 & wait' & wait"])
     try:
-        found = wait_until(
-            lambda: tree if len(tree := _descendants([root.pid])) == 3 else None,
-            timeout_s=30,
-            what="the root shell's three descendants",
-        )
-        names = []
-        for pid in found:
-            with open(f"/proc/{pid}/comm") as f:
-                names.append(f.read().strip())
-        assert sorted(names) == ["sh", "sleep", "sleep"]
+        # A forked child is named "sh" until it has exec'd `sleep`: wait for the names.
+        def settled():
+            tree = _descendants([root.pid])
+            names = []
+            for pid in tree:
+                with suppress(FileNotFoundError), open(f"/proc/{pid}/comm") as f:
+                    names.append(f.read().strip())
+            return tree if sorted(names) == ["sh", "sleep", "sleep"] else None
+
+        found = wait_until(settled, timeout_s=30, what="the root shell's three descendants")
+        assert len(found) == 3
         assert root.pid not in found and os.getpid() not in found
         assert _descendants([]) == []
     finally:
