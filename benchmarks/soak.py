@@ -49,8 +49,17 @@ from typing import Any
 
 import numpy as np
 
-from benchmarks.recovery import SIM, SLICE_TYPE, SLICES, _Controller, first_event, phases
+from benchmarks.recovery import (
+    ENDED,
+    SIM,
+    SLICE_TYPE,
+    SLICES,
+    _Controller,
+    first_event,
+    phases,
+)
 from controller.chaos import KINDS
+from controller.simcluster import _session_processes
 from programs.lm.config import SMALL_OVERRIDES
 from protos import controller_pb2 as pb
 
@@ -61,7 +70,6 @@ CONFIG = SMALL_OVERRIDES | {"total_steps": str(BUDGET), "seed": "3"}
 TARGET_GOODPUT = 0.95
 STEP_OFFSETS = (1, 25)  # a fault hits this many steps after it is drawn
 RECOVER_TIMEOUT_S = 240.0  # a fault the job has not trained after in this long: not survived
-ENDED = (pb.JOB_STATE_SUCCEEDED, pb.JOB_STATE_FAILED, pb.JOB_STATE_CANCELLED)
 BUCKETS = (
     "detection",
     "controller restart",
@@ -178,17 +186,7 @@ def compare_losses(
 
 def processes_in_sessions(sessions: Sequence[int]) -> int:
     """How many processes of these sessions are alive (this one aside)."""
-    count = 0
-    me = os.getpid()
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit() or int(entry) == me:
-            continue
-        try:
-            if os.getsid(int(entry)) in sessions:
-                count += 1
-        except (ProcessLookupError, PermissionError):
-            continue
-    return count
+    return sum(len(_session_processes(sid)) for sid in sessions)
 
 
 _RESUMES = re.compile(r"job \S+ resumes after .* \(step (\d+) recorded")
