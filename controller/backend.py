@@ -94,6 +94,10 @@ class Worker(Protocol):
         """Copies the worker's pieces of the arrays into a stash on its host (worker/stash.py)."""
         ...
 
+    async def prepare_data(self, program: str, overrides: tuple[tuple[str, str], ...]) -> None:
+        """Has the worker begin loading the data of a program's batches in the background."""
+        ...
+
 
 class Channel(Protocol):
     """The controller's end of a worker's control channel (controller/channel.py):
@@ -231,6 +235,9 @@ class _Actor:
 
     async def stash_state(self, name: str, handles: list[str]) -> int:
         return await self.actor.stash_state.remote(name, handles)
+
+    async def prepare_data(self, program: str, overrides: tuple[tuple[str, str], ...]) -> None:
+        await self.actor.prepare_data.remote(program, overrides)
 
 
 class RayBackend:

@@ -453,6 +453,10 @@ class Gang:
             *(w.prepare_stash(name) for w, name in zip(self._workers, names, strict=True))
         )
 
+    async def prepare_data(self, program: str, overrides: tuple[tuple[str, str], ...]) -> None:
+        """Has every worker begin loading the data of the program's batches."""
+        await asyncio.gather(*(w.prepare_data(program, overrides) for w in self._workers))
+
     async def stash_state(self, process_id: int, name: str, handles: list[str]) -> int:
         """Has one worker copy its pieces of the arrays into a stash on its host."""
         self._stashes.add(name)

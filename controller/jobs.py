@@ -45,7 +45,7 @@ import json
 import logging
 import time
 from collections import OrderedDict, deque
-from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -163,6 +163,9 @@ class JobRunner:
         self._stopping = False
         # Exported training programs by (program, overrides, mesh, platform), newest last.
         self._exports: OrderedDict[tuple[Any, ...], ExportedTraining] = OrderedDict()
+        # Preparations a job's first steps need not wait for (`_meanwhile`), held until
+        # they end (the event loop keeps only weak references to tasks).
+        self._meanwhile_tasks: set[asyncio.Future[Any]] = set()
         # Jobs an earlier run of this controller left unfinished; `resume` restarts them.
         self._unfinished: list[Job] = []
         for record in journal.jobs():  # jobs of an earlier run of this controller
@@ -500,6 +503,21 @@ class JobRunner:
                 "checkpoint once slices are free",
             )
         return take
+
+    def _meanwhile(self, job: Job, gang: Gang, work: Awaitable[Any], what: str) -> None:
+        """Runs `work` beside the job's start; if it fails while the gang is still up,
+        says so (the job goes on; a failed gang has said why already)."""
+
+        def done(task: asyncio.Future[Any]) -> None:
+            self._meanwhile_tasks.discard(task)
+            if task.cancelled() or (exc := task.exception()) is None:
+                return
+            if gang.state.usable:
+                log.warning("job %s: %s failed: %s", job.job_id, what, exc)
+
+        task = asyncio.ensure_future(work)
+        self._meanwhile_tasks.add(task)
+        task.add_done_callback(done)
 
     def _can_grow(self, job: Job, gang: Gang) -> bool:
         """Whether an elastic job on fewer slices than it asked for could have them all."""
@@ -886,6 +904,14 @@ class JobRunner:
         spec = job.spec
         program = get_program(spec.program)
         config = program.make_config(dict(spec.overrides))
+        # New workers read the program's data while the programs load and the state is
+        # restored, rather than when the first batch is built (about a second here).
+        self._meanwhile(
+            job,
+            gang,
+            gang.prepare_data(spec.program, tuple(sorted(spec.overrides))),
+            "loading the data of the program ahead of its first batch",
+        )
         mesh = job.mesh = spec.mesh_for(gang.shape)
         axes = training_axes(mesh)
         exported = await self._exported(job, program, config, mesh, axes, gang.platform)
@@ -995,16 +1021,15 @@ class JobRunner:
         state_handles = [r.handle for r in state]
         job.live_states = {job.step: state_handles} if spec.peer_recovery else {}
         if spec.peer_recovery:
-            # Started now, not when a slice fails: an actor takes about a second to start.
-            try:
-                await gang.prepare_stashes(self._stash_names(job, gang))
-            except Exception as exc:  # noqa: BLE001 - a failure starts them then instead
-                log.warning(
-                    "job %s: the stash actors for peer recovery did not start (%s); a "
-                    "failure will start them when it comes",
-                    job.job_id,
-                    exc,
-                )
+            # Started now, not when a slice fails (an actor takes about a second to
+            # start), while the first steps run: a failure before they answer puts into
+            # the same actors (HostWorker.prepare_stash), or starts them if they failed.
+            self._meanwhile(
+                job,
+                gang,
+                gang.prepare_stashes(self._stash_names(job, gang)),
+                "starting the stash actors for peer recovery (a failure starts them then)",
+            )
         tokens = program.tokens_per_step(config)
         if job.recoveries and job.recoveries[-1].resumed_from is None:
             job.recoveries[-1].resumed_from = job.step

@@ -191,9 +191,16 @@ class HostWorker:
 
     def prepare_stash(self, name: str) -> None:
         """Starts the stash actor `name` on this host ahead of any failure (for a job
-        with peer recovery): an actor takes about a second to start, and on the
-        simulation a survivor may not outlive its peer by that much (see stash_state)."""
-        self._stashes[name] = self._new_stash(name)
+        with peer recovery) and waits until it answers: an actor takes about a second to
+        start, and on the simulation a survivor may not outlive its peer by that much
+        (see stash_state). The handle is kept before the wait, so that a `stash_state`
+        arriving meanwhile puts into this actor rather than starting a second one."""
+        import ray
+
+        stash = self._stashes.get(name)
+        if stash is None:
+            stash = self._stashes[name] = self._start_stash(name)
+        ray.get(stash.keys.remote())  # started and answering
 
     def stash_state(self, name: str, handles: list[str]) -> int:
         """Copies this host's pieces of the arrays into the stash actor `name` on this
@@ -207,19 +214,24 @@ class HostWorker:
         import ray
 
         pieces = self.runtime.pieces_of(handles)
-        stash = self._stashes.pop(name, None) or self._new_stash(name)
+        stash = self._stashes.pop(name, None) or self._start_stash(name)
         stashed: int = ray.get(stash.put.remote(pieces))
         return stashed
 
-    def _new_stash(self, name: str) -> Any:
+    def _start_stash(self, name: str) -> Any:
+        """A new stash actor on this host (its handle at once; it starts meanwhile)."""
         import ray
 
         from worker.stash import StateStash, stash_options
 
         node = ray.get_runtime_context().get_node_id()
-        stash: Any = ray.remote(StateStash).options(name=name, **stash_options(node)).remote()
-        ray.get(stash.keys.remote())  # started and answering
-        return stash
+        return ray.remote(StateStash).options(name=name, **stash_options(node)).remote()
+
+    def prepare_data(self, program: str, overrides: tuple[tuple[str, str], ...]) -> None:
+        """Begins loading the data of a program's batches on this host in the background
+        (the first batch waits for it): a new worker reads the LM's corpus while its
+        gang restores the state, not after (JaxRuntime.prepare_data)."""
+        self.runtime.prepare_data(program, tuple((k, v) for k, v in overrides))
 
     def bench_loop(
         self, program_id: str, handles: list[str], n: int, window: int, pace_s: float = 0.0

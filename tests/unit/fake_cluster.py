@@ -97,6 +97,9 @@ class FakeWorker:
     async def stash_state(self, name: str, handles: list[str]) -> int:
         return 0
 
+    async def prepare_data(self, program: str, overrides: tuple[tuple[str, str], ...]) -> None:
+        return None
+
 
 class FakeChannel:
     """A control channel whose worker completes every operation as soon as it arrives;
