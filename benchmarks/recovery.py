@@ -63,7 +63,7 @@ How each figure is obtained (all times on this machine's clock; the workers run 
   meanwhile), and the closed channel is noticed at once: its "detect" is mostly that.
 - The hang is detected by the watchdog when the hung host has stayed a step behind
   its peers, which wait for it in the next step's collectives, for the gang's lag
-  deadline: 3x the job's slowest step so far, at least 3 s (controller/health.py).
+  deadline: 3x the job's slowest step so far, at least 2 s (controller/health.py).
   Steps here take ~0.1-0.3 s, so the floor decides. Detection of a hang is bounded
   below by that deadline; the deadline the job had is reported next to it (from its
   slowest step before the step it resumed from: those steps are not run again, their
@@ -161,7 +161,7 @@ def phases(
 
 
 def hang_deadline(step_times: Sequence[float]) -> float:
-    """The lag deadline a job had: 3x its slowest step, at least 3 s."""
+    """The lag deadline a job had: 3x its slowest step, at least LAG_FLOOR_S."""
     return lag_deadline(max(step_times, default=0.0))
 
 
