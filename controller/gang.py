@@ -124,6 +124,7 @@ class Gang:
         # Stash actors started on the gang's hosts (a peer-recovering job's), dropped when
         # the gang stops unless handed over to the next gang (`hand_over_stashes`).
         self._stashes: set[str] = set()
+        self._handed_over: set[str] = set()
         self._stopping: asyncio.Future[None] | None = None
         self._stopping_to: GangState | None = None
         self._watchers: set[asyncio.Queue[tuple[str, str]]] = set()
@@ -447,11 +448,22 @@ class Gang:
             self.publish("failed", reason)
 
     async def prepare_stashes(self, names: Sequence[str]) -> None:
-        """Starts stash actor `names[p]` on the host of worker p, for every worker."""
+        """Starts stash actor `names[p]` on the host of worker p, for every worker.
+
+        It may still run when the gang stops (a job starts them beside its first steps):
+        a worker may then have started its stash after the stop dropped the gang's
+        stashes, so once every worker has answered or died, those not handed over to the
+        next gang are dropped again (a stash is detached: nothing else would end it)."""
         self._stashes.update(names)
-        await asyncio.gather(
-            *(w.prepare_stash(name) for w, name in zip(self._workers, names, strict=True))
-        )
+        try:
+            await asyncio.gather(
+                *(w.prepare_stash(name) for w, name in zip(self._workers, names, strict=True))
+            )
+        finally:
+            if not self._workers:  # stopped meanwhile
+                for name in set(names) - self._handed_over:
+                    with contextlib.suppress(Exception):
+                        self._backend.drop_stash(name)
 
     async def prepare_data(self, program: str, overrides: tuple[tuple[str, str], ...]) -> None:
         """Has every worker begin loading the data of the program's batches."""
@@ -465,6 +477,7 @@ class Gang:
     def hand_over_stashes(self, names: Sequence[str]) -> None:
         """The stashes `names` outlive this gang (a recovery reads them on the next one)."""
         self._stashes.difference_update(names)
+        self._handed_over.update(names)
 
     def drop_stash(self, name: str) -> None:
         self._stashes.discard(name)

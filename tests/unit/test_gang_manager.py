@@ -505,3 +505,33 @@ def test_stashes_started_on_a_gang_go_with_it_unless_handed_over():
 
     cluster = run(scenario())
     assert [c for c in cluster.calls if c[0] == "drop_stash"] == [("drop_stash", "s-p0")]
+
+
+def test_stashes_still_starting_when_the_gang_stops_are_dropped_once_the_workers_answer():
+    """A job starts its stash actors beside its first steps; a worker that started its
+    stash after the gang's stop dropped the gang's stashes must not leave it running
+    (a stash is detached), unless a recovery handed it to the next gang."""
+
+    async def scenario():
+        cluster = FakeCluster(V4, V4)
+        manager = await manager_for(cluster)
+        gang, gang_id = await manager.allocate(2, V4, client="a")
+        answer = asyncio.Event()
+
+        async def slow_prepare(name):
+            await answer.wait()
+
+        for worker in cluster.workers:
+            worker.prepare_stash = slow_prepare
+        preparing = asyncio.ensure_future(gang.prepare_stashes(["s-p0", "s-p1"]))
+        await asyncio.sleep(0)
+        gang.hand_over_stashes(["s-p1"])
+        await manager.release(gang_id)
+        dropped_at_stop = [c for c in cluster.calls if c[0] == "drop_stash"]
+        answer.set()
+        await preparing
+        return dropped_at_stop, [c for c in cluster.calls if c[0] == "drop_stash"]
+
+    at_stop, in_all = run(scenario())
+    assert at_stop == [("drop_stash", "s-p0")]
+    assert in_all == [("drop_stash", "s-p0"), ("drop_stash", "s-p0")]
