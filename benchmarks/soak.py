@@ -21,8 +21,12 @@ of the soak must equal bit for bit, and whose goodput is the ceiling without fau
 whole run takes about twice `--minutes`.
 
 Goodput is productive step time over wall time, as ByteRobust's ETTR and MaxText's
-ml-goodput-measurement count it: the sum of the kept steps' own times (measured on the
-worker) over the time from the job's submission to its last step. The badput is split
+ml-goodput-measurement count it: the time in which a kept step was running (by the
+steps' own times, measured on the worker; steps in flight counted once) over the time
+from the job's submission to its last step. The first step after a fault runs beside
+the recovery's last work and is slower than the rest; the goodput with each such step
+held to the median step's time is reported beside it, and the target is met only if
+both reach it. The badput is split
 into the buckets ml-goodput-measurement uses, per fault from the job's recovery records
 and the controller's log (as `slicewise bench recovery` splits a recovery): detection
 (fault to the gang failing), controller restart (kill-controller: the process gone until
@@ -162,12 +166,20 @@ def account(
         buckets["progress lost"] += (f.get("steps_lost") or 0) * median_step
     buckets["startup"] = startup_s
     buckets["other"] = wall_s - productive - sum(buckets.values())
+    # The first step after a fault runs beside the recovery's last work (stash actors
+    # starting, a first call's one-time setup) and takes longer than the others; its
+    # time is the step's own, so it counts as productive above. The same goodput with
+    # each such step held to the median step's time, for a reader who would count the
+    # excess as the fault's:
+    excess = sum(max(0.0, (f.get("first_step_time_s") or 0.0) - median_step) for f in faults)
     return {
         "goodput": productive / wall_s if wall_s > 0 else 0.0,
         "productive_s": productive,
         "wall_s": wall_s,
         "median_step_s": median_step,
         "badput_s": buckets,
+        "first_steps_excess_s": excess,
+        "goodput_first_steps_at_median": (productive - excess) / wall_s if wall_s > 0 else 0.0,
     }
 
 
@@ -497,10 +509,12 @@ def _line(f: dict[str, Any]) -> str:
 
 def report(result: dict[str, Any]) -> str:
     acc = result["accounting"]
+    strict = acc.get("goodput_first_steps_at_median", result["goodput"])
     lines = [
         f"goodput {result['goodput']:.1%} over {result['minutes']:g} min "
-        f"(target >= {TARGET_GOODPUT:.0%}: "
-        + ("met" if result["goodput"] >= TARGET_GOODPUT else "MISSED")
+        f"({strict:.1%} with the first step after each fault held to the median step; "
+        f"target >= {TARGET_GOODPUT:.0%}: "
+        + ("met" if min(result["goodput"], strict) >= TARGET_GOODPUT else "MISSED")
         + f"); without faults {result['reference']['goodput']:.1%}",
         f"{len(result['faults'])} faults, "
         + ("all survived" if result["all_survived"] else "NOT all survived")

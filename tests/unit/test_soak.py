@@ -75,6 +75,9 @@ def test_goodput_is_kept_step_time_over_wall_time_and_the_badput_adds_up():
     assert badput["progress lost"] == pytest.approx(1.0)
     assert badput["startup"] == 5.0
     assert sum(badput.values()) + result["productive_s"] == pytest.approx(100.0)
+    # The first steps after the faults ran 0.3 s and 0.2 s over the 0.2-s median step.
+    assert result["first_steps_excess_s"] == pytest.approx(0.5)
+    assert result["goodput_first_steps_at_median"] == pytest.approx((80.0 - 0.5) / 100.0)
 
 
 def test_steps_in_flight_are_counted_once():
