@@ -30,6 +30,12 @@ log = logging.getLogger(__name__)
 
 # Checkpoint every this many steps unless the submitter says otherwise (0: never).
 DEFAULT_CHECKPOINT_EVERY = 50
+# The steps whose slowest sets a job's step deadlines: the latest ones, not all. A step
+# slowed once (the steps right after a recovery run beside its last work: stash actors
+# starting, a first call's setup) would otherwise loosen the lag deadline for the rest of
+# the job: in a soak, one 1.07-s step made it 3.2 s instead of 2 s, and every later hang
+# was detected that much later.
+DEADLINE_STEPS = 200
 # Keep this many of the newest committed checkpoints, plus the marked steps (0: all).
 DEFAULT_KEEP_CHECKPOINTS = 3
 # Gang failures a job recovers from before it fails (preemptions do not count).
@@ -338,9 +344,11 @@ class Job:
     # into it that wait for a step (controller/chaos.py).
     recoveries: list[Recovery] = field(default_factory=list)
     faults: list[Fault] = field(default_factory=list)
-    # The longest step so far (as the workers measured it): the step watchdog's deadline
-    # is a multiple of it (controller/health.py).
+    # The longest of the latest `DEADLINE_STEPS` steps (as the workers measured them; a
+    # start's first step aside, which compiles or loads its program): the step and lag
+    # deadlines are multiples of it (controller/health.py).
     slowest_step_s: float = 0.0
+    deadline_steps: deque[float] = field(default_factory=lambda: deque(maxlen=DEADLINE_STEPS))
     compiled_at: int = -1  # the first step of the latest start: it compiled the program
     gang_slices: int = 0  # the slices of the gang it runs on now (fewer: elastic)
     # Peer recovery: each unfinished step's input state (step -> handles), deleted when
@@ -374,6 +382,13 @@ class Job:
     @property
     def last(self) -> StepRecord | None:
         return self.recent[-1] if self.recent else None
+
+    def note_step_time(self, step: int, step_time_s: float) -> None:
+        """Takes a completed step's time into `slowest_step_s` (unless it is the first
+        of the latest start: that one compiled or loaded its program)."""
+        if step != self.compiled_at:
+            self.deadline_steps.append(step_time_s)
+            self.slowest_step_s = max(self.deadline_steps)
 
 
 def _spec_from_json(data: Mapping[str, Any]) -> JobSpec:

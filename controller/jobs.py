@@ -1333,8 +1333,7 @@ class JobRunner:
         if error:
             raise FailedPreconditionError(f"step {step} failed: {error}")
         measured = step_record(step, ticket.values[0], ticket.ran, tokens, job.stat_shapes)
-        if step != job.compiled_at:  # that step's time includes compiling its program
-            job.slowest_step_s = max(job.slowest_step_s, measured.step_time_s)
+        job.note_step_time(step, measured.step_time_s)
         if gang is not None:
             measured = await self._account_dcn(job, gang, step, measured, ahead)
         if gang is not None:

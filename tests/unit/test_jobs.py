@@ -55,6 +55,21 @@ def test_the_normal_life_of_a_job():
     assert job.state is JobState.SUCCEEDED and job.epoch == 1
 
 
+def test_the_step_deadlines_follow_the_slowest_of_the_latest_steps_not_of_all():
+    from controller.job import DEADLINE_STEPS
+
+    job = Job("j1", spec())
+    job.compiled_at = 0
+    job.note_step_time(0, 9.0)  # the start's first step: it compiled the program
+    assert job.slowest_step_s == 0.0
+    job.note_step_time(1, 1.1)  # slowed once, beside a recovery's last work
+    for step in range(2, 2 + DEADLINE_STEPS - 1):
+        job.note_step_time(step, 0.15)
+    assert job.slowest_step_s == 1.1  # still among the latest
+    job.note_step_time(DEADLINE_STEPS + 1, 0.2)
+    assert job.slowest_step_s == 0.2  # forgotten once older than the latest
+
+
 @pytest.mark.parametrize(
     ("path", "bad"),
     [
