@@ -310,8 +310,7 @@ class JaxRuntime:
         key = (program_name, overrides)
         if key not in self._configs:
             # The first batch of a program on this host imports its code and reads its
-            # data (the LM's corpus, digested): about 1 s here, 5 s under load; begun
-            # ahead by prepare_data when the controller asked for it.
+            # data (the LM's corpus, digested), unless prepare_data began that ahead.
             with self._setting_up(f"loading the data of {program_name}"):
                 loading = self._data_loading(key)
                 try:
