@@ -25,11 +25,32 @@ from slicewise.common.errors import (
 )
 
 if TYPE_CHECKING:
-    from slicewise.client import Client, Gang, Mesh, Output, Program, RemoteArray, connect, delete
+    from slicewise.client import (
+        AddressError,
+        Client,
+        Gang,
+        Mesh,
+        Output,
+        Program,
+        RemoteArray,
+        connect,
+        delete,
+    )
 
-_CLIENT_NAMES = {"Client", "Gang", "Mesh", "Output", "Program", "RemoteArray", "connect", "delete"}
+_CLIENT_NAMES = {
+    "AddressError",
+    "Client",
+    "Gang",
+    "Mesh",
+    "Output",
+    "Program",
+    "RemoteArray",
+    "connect",
+    "delete",
+}
 
 __all__ = [
+    "AddressError",
     "CapacityError",
     "Client",
     "DeadlineError",

@@ -180,6 +180,58 @@ def _call(fn: Any, *args: Any, **kwargs: Any) -> Any:
         _raise_from(err)
 
 
+class AddressError(ConnectionError, ValueError):
+    """A controller address that is not `host:port` (refused before any connection)."""
+
+
+_ADDRESS_FORM = "give it as host:port, e.g. 127.0.0.1:50051"
+# How long the client tries a TCP connection to the controller's port before its gRPC
+# channel does: a refused connection is reported at once, not after the whole timeout.
+_PROBE_S = 2.0
+
+
+def parse_address(address: str) -> tuple[str, int]:
+    """(host, port) of a controller address `host:port` (`[v6 address]:port`).
+
+    Raises:
+        AddressError: it is not of that form, saying what is wrong with it.
+    """
+    scheme, sep, rest = address.partition("://")
+    if sep:
+        raise AddressError(
+            f"controller address {address!r} has a scheme ({scheme}://), which slicewise "
+            f"does not take; {_ADDRESS_FORM} (here {rest.rstrip('/')!r})"
+        )
+    host, sep, port = address.rpartition(":")
+    if not sep or not host:
+        raise AddressError(f"controller address {address!r} has no port; {_ADDRESS_FORM}")
+    if not port.isdigit() or not 0 < int(port) < 65536:
+        raise AddressError(
+            f"controller address {address!r}: {port!r} is not a port (1-65535); {_ADDRESS_FORM}"
+        )
+    return host.removeprefix("[").removesuffix("]"), int(port)
+
+
+def _refused(host: str, port: int, timeout_s: float) -> bool:
+    """Whether the host refuses a connection to the port (nothing listens there). Other
+    failures (no answer yet, no route) are left to the gRPC channel's wait.
+
+    Raises:
+        ConnectionError: the host name does not resolve.
+    """
+    import socket
+
+    try:
+        with socket.create_connection((host, port), timeout=timeout_s):
+            return False
+    except ConnectionRefusedError:
+        return True
+    except socket.gaierror as exc:
+        raise ConnectionError(f"cannot resolve the controller's host {host!r}: {exc}") from None
+    except OSError:
+        return False
+
+
 def connect(address: str, **options: Any) -> Client:
     """Connects to a controller at `host:port` and checks that it answers; `options` are
     `Client`'s (name, timeout, token, TLS files, direct_data)."""
@@ -209,6 +261,7 @@ class Client:
         tls_key: str | None = None,
         direct_data: bool | None = None,
     ) -> None:
+        host, port = parse_address(address)
         self.address = address
         self.name = name
         if direct_data is None:
@@ -223,15 +276,39 @@ class Client:
         else:
             raw = grpc.secure_channel(address, credentials, options=options)
         self.closed = False
+        start_one = (
+            "start one with `slicewise controller --sim 2xv5litepod-4 --insecure-local "
+            f"--port {port}`"
+        )
+        ready = grpc.channel_ready_future(raw)
         try:
-            grpc.channel_ready_future(raw).result(timeout=timeout)
+            if _refused(host, port, min(_PROBE_S, timeout)):
+                raise ConnectionError(
+                    f"connection refused at {address}: no slicewise controller listens "
+                    f"there; {start_one}"
+                )
+            try:
+                ready.result(timeout=min(_PROBE_S, timeout))
+            except grpc.FutureTimeoutError:
+                if timeout <= _PROBE_S:
+                    raise
+                log.warning(
+                    "waiting for the slicewise controller at %s to answer (up to %.0f s)",
+                    address,
+                    timeout,
+                )
+                ready.result(timeout=timeout - _PROBE_S)
         except grpc.FutureTimeoutError:
             raw.close()
             raise ConnectionError(
-                f"no slicewise controller answers at {address} after {timeout:.0f} s; start "
-                "one with `slicewise controller --sim 2xv5litepod-4 --insecure-local --port "
-                "50051`" + ("" if credentials is None else " (or the TLS handshake failed)")
+                f"no slicewise controller answers at {address} after {timeout:.0f} s; "
+                + start_one
+                + ("" if credentials is None else " (or the TLS handshake failed)")
             ) from None
+        except BaseException:
+            ready.cancel()
+            raw.close()
+            raise
         self._channel = raw
         token = token or os.environ.get(auth.TOKEN_ENV) or None
         channel = grpc.intercept_channel(raw, _Bearer(token)) if token else raw
