@@ -138,6 +138,23 @@ def lock_state_dir(state_dir: Path) -> int | None:
     return fd
 
 
+def port_in_use(host: str, port: int) -> bool:
+    """Whether a process listens on (host, port): binding it fails. SO_REUSEADDR only
+    lets the probe past connections of an earlier listener that are closing; without
+    SO_REUSEPORT it cannot share a port with anyone (a gRPC server sets SO_REUSEPORT
+    unless told not to, and two of them would then split connections between them)."""
+    import socket
+
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind((host, port))
+        except OSError:
+            return True
+    return False
+
+
 def run(config: ServerConfig) -> int:
     """Runs a controller until SIGTERM/SIGINT; returns the process exit code."""
     from controller.simcluster import SimulationProcess
@@ -149,6 +166,20 @@ def run(config: ServerConfig) -> int:
     except (OSError, ValueError) as exc:
         log.error("%s", exc)
         return 2
+    # So does a port another process listens on, before a simulation or Ray starts.
+    for flag, host, port in (
+        ("--port", config.host, config.port),
+        ("--metrics-port", config.metrics_host, config.metrics_port),
+    ):
+        if port and port_in_use(host, port):
+            log.error(
+                "port %d on %s is in use (another controller, or another program, listens "
+                "there); give this one another %s, or 0 for any free port",
+                port,
+                host,
+                flag,
+            )
+            return 2
     lock = lock_state_dir(state_dir)
     if lock is None:
         return 2
@@ -266,7 +297,11 @@ async def _serve(
     interceptors, credentials, caps = security
     controller.manager.caps = caps
     # Authentication first: a call without a known token is refused before anything else.
-    server = grpc.aio.server(interceptors=[*interceptors, TolerantParsing()])
+    # Without SO_REUSEPORT: a second controller on this port fails to bind instead of
+    # sharing it (the check in `run` is before anything starts; this one is the race).
+    server = grpc.aio.server(
+        interceptors=[*interceptors, TolerantParsing()], options=[("grpc.so_reuseport", 0)]
+    )
     pb_grpc.add_ControllerServicer_to_server(
         ControllerServicer(
             controller,
@@ -286,9 +321,33 @@ async def _serve(
     except RuntimeError:
         port = 0
     if port == 0:
-        log.error("cannot listen on %s:%d (in use?); pick another --port", config.host, config.port)
+        log.error(
+            "port %d on %s is in use (or cannot be listened on); give this one another "
+            "--port, or 0 for any free port",
+            config.port,
+            config.host,
+        )
         await controller.shutdown()
         return 2
+    if config.metrics_port is not None:
+        from controller.metrics import serve_metrics
+
+        try:
+            metrics_port = serve_metrics(config.metrics_port, config.metrics_host)
+        except OSError as exc:
+            log.error(
+                "cannot serve metrics on %s:%d (%s); give another --metrics-port, or 0 for "
+                "any free port",
+                config.metrics_host,
+                config.metrics_port,
+                exc.strerror or exc,
+            )
+            await controller.shutdown()
+            return 2
+        print(
+            f"slicewise metrics on http://{config.metrics_host}:{metrics_port}/metrics",
+            flush=True,
+        )
     await server.start()
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -304,14 +363,6 @@ async def _serve(
         print(
             f"slicewise controller: continuing {len(resumed)} unfinished job(s) from "
             f"{state_dir}: {', '.join(j.job_id for j in resumed)}",
-            flush=True,
-        )
-    if config.metrics_port is not None:
-        from controller.metrics import serve_metrics
-
-        metrics_port = serve_metrics(config.metrics_port, config.metrics_host)
-        print(
-            f"slicewise metrics on http://{config.metrics_host}:{metrics_port}/metrics",
             flush=True,
         )
     # Tests and scripts wait for this exact line (printed last, when all is up).
