@@ -343,6 +343,11 @@ class JobRunner:
         waiting = (JobState.QUEUED, JobState.ADMITTED, JobState.STARTING, JobState.RECOVERING)
         if job.state in waiting and job.task:
             job.task.cancel()  # still waiting for slices or workers: stop waiting
+        elif job.task:
+            # A running job stops at its next step boundary; one whose step does not
+            # end (a stuck collective) is stopped where it is once the grace is over.
+            grace = max(CANCEL_GRACE_S, 3.0 * job.slowest_step_s)
+            asyncio.get_running_loop().call_later(grace, _stop_if_running, job)
         return job
 
     async def watch(self, job_id: str) -> AsyncIterator[dict[str, Any]]:
@@ -475,6 +480,11 @@ class JobRunner:
             self._move(job, JobState.CANCELLED, "cancelled")
         except Exception as exc:  # noqa: BLE001 - the job fails, the controller goes on
             job.error = f"{type(exc).__name__}: {exc}"
+            if job.cancel_requested:  # what the user asked for, whatever broke meanwhile
+                log.info("job %s: cancelled; while it stopped: %s", job.job_id, job.error)
+                if not job.state.terminal:
+                    self._move(job, JobState.CANCELLED, f"cancelled (while it stopped: {exc})")
+                return
             log.exception("job %s failed", job.job_id)
             if not job.state.terminal:
                 self._move(job, JobState.FAILED, job.error)
@@ -1404,6 +1414,18 @@ def check_preemption_budget(job: Job, by: str) -> None:
 
 class _GrowBack(Exception):
     """An elastic job on fewer slices stops at a committed checkpoint to grow back."""
+
+
+# How long a cancelled running job has to reach its next step boundary before it is
+# stopped where it is (at least; 3x its slowest step when that is longer).
+CANCEL_GRACE_S = 5.0
+
+
+def _stop_if_running(job: Job) -> None:
+    """A cancel's grace is over: a job still running is stopped where it is."""
+    if not job.state.terminal and job.task is not None and not job.task.done():
+        log.info("job %s: no step boundary within the cancel's grace; stopping it", job.job_id)
+        job.task.cancel()
 
 
 def step_deadline(floor_s: float, slowest_step_s: float) -> float:

@@ -23,7 +23,9 @@ import threading
 import pytest
 
 import slicewise
+from controller.jobview import TERMINAL
 from protos import controller_pb2 as pb
+from slicewise.testing import wait_until
 from tests.integration.conftest import chaos_controller_on, controller_log
 from tests.integration.test_checkpoints import (
     assert_losses_match,
@@ -169,3 +171,26 @@ def test_fault_injection_says_what_is_wrong_with_a_request(chaos_client):
             client.inject_fault("j999", "kill-worker", at_step=5)
     finally:
         client.cancel_job(job.job_id)
+
+
+def test_a_cancel_while_a_step_hangs_ends_cancelled(chaos_client):
+    """The user's cancel decides how the job ends, whatever breaks while it stops: here
+    the hung collective fails the gang (or the cancel's grace stops the job first)."""
+    client = chaos_client
+    at = 6
+    job = submit_lm(client, STEPS, checkpoint_every=0)
+    client.inject_fault(job.job_id, "hang-collective", at_step=at)
+    wait_until(
+        lambda: client.job(job.job_id).step >= at,
+        timeout_s=300,
+        interval_s=0.05,
+        what=f"job {job.job_id} to reach the hung step {at}",
+    )
+    client.cancel_job(job.job_id)
+
+    def ended():
+        info = client.job(job.job_id)
+        return info if info.state in TERMINAL else None
+
+    info = wait_until(ended, timeout_s=300, interval_s=0.2, what=f"job {job.job_id} to end")
+    assert info.state == pb.JOB_STATE_CANCELLED, (pb.JobState.Name(info.state), info.error)
