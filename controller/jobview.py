@@ -23,7 +23,7 @@ from collections.abc import Iterable, Sequence
 from typing import TextIO
 
 from rich.console import Console, RenderableType
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+from rich.progress import Progress
 from rich.table import Table
 from rich.text import Text
 
@@ -184,46 +184,93 @@ def _follow_plain(events: Iterable[pb.JobEvent], out: TextIO) -> pb.JobInfo:
     return job
 
 
-class _RoutedProgress(Progress):
-    """A progress display with lines of text below its bars: the latest step's routing and
-    the latest DCN measurement."""
+# The progress bar's width: at most, and the least worth drawing.
+BAR_MAX, BAR_MIN = 40, 10
+
+
+def progress_parts(
+    head: str, count: str, loss: str, extras: Sequence[str], remaining: str, width: int
+) -> tuple[str, int, str]:
+    """The live line of a job in `width` columns: (left text, bar width, right text).
+
+    The job and its state on the left; the step count, the loss and the time remaining
+    always on the right; `extras` (step time, tokens/s) after the loss while they fit,
+    the last dropped first; a bar between the two where at least `BAR_MIN` columns are
+    left. What goes first when the terminal is narrow is the bar, then the extras.
+    """
+    kept = list(extras)
+    while True:
+        right = "  ".join(p for p in (count, loss, *kept, remaining) if p)
+        room = width - len(head) - len(right) - 2  # a space either side of the bar
+        if room >= BAR_MIN:
+            return head, min(BAR_MAX, room), right
+        if room >= -1 or not kept:  # fits without the bar (or nothing more can go)
+            return head, 0, right
+        kept.pop()
+
+
+def _clock(seconds: float | None) -> str:
+    if seconds is None:
+        return "-:--:--"
+    whole = int(seconds)
+    return f"{whole // 3600}:{whole // 60 % 60:02d}:{whole % 60:02d}"
+
+
+class _JobProgress(Progress):
+    """The live view: one line per job, laid out for the terminal's width at every
+    refresh (`progress_parts`), then lines of text below it: the latest step's routing
+    and the latest DCN measurement."""
 
     below: tuple[str, ...] = ()
 
     def get_renderables(self) -> Iterable[RenderableType]:
-        yield self.make_tasks_table(self.tasks)
-        for line in self.below:
-            yield Text(line)
+        from rich.progress_bar import ProgressBar
+
+        for task in self.tasks:  # none yet while Progress builds its Live (no console)
+            width = self.console.width
+            head, bar, right = progress_parts(
+                task.description,
+                f"{int(task.completed)}/{int(task.total or 0)}",
+                task.fields.get("loss", ""),
+                task.fields.get("extras", ()),
+                _clock(task.time_remaining),
+                width,
+            )
+            line = Table.grid(padding=(0, 1))
+            cells: list[RenderableType] = [Text(head, style="bold", no_wrap=True)]
+            if bar:
+                line.add_column(width=len(head), no_wrap=True)
+                line.add_column(width=bar)
+                cells.append(ProgressBar(total=task.total, completed=task.completed, width=bar))
+            else:
+                line.add_column(no_wrap=True)
+            line.add_column(no_wrap=True)
+            cells.append(Text(right, no_wrap=True))
+            line.add_row(*cells)
+            yield line
+        for text in self.below:
+            yield Text(text)
 
 
 def _follow_live(events: Iterable[pb.JobEvent]) -> pb.JobInfo:
     console = Console()
     job = None
-    with _RoutedProgress(
-        TextColumn("[bold]{task.description}"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TextColumn("{task.fields[stats]}"),
-        TimeRemainingColumn(),
-        console=console,
-        transient=False,
-    ) as progress:
+    with _JobProgress(console=console, transient=False) as progress:
         task = None
         routing: tuple[str, ...] = ()
         measured: pb.StepMetrics | None = None  # the latest step with a DCN measurement
         for event in events:
             job = event.job
             if task is None:
-                task = progress.add_task(job.job_id, total=job.steps, stats="")
+                task = progress.add_task(job.job_id, total=job.steps, loss="", extras=())
             if event.message and event.message != "attached":
                 console.print(f"{job.job_id} {state_name(job.state)}: {event.message}")
-            stats = ""
+            loss = ""
+            extras: tuple[str, ...] = ()
             if job.HasField("last"):
                 s = job.last
-                stats = (
-                    f"loss {s.loss:.4f}  {s.tokens_per_s:,.0f} tok/s  "
-                    f"{step_time(s.step_time_s)}/step"
-                )
+                loss = f"loss {s.loss:.4f}"
+                extras = (f"{step_time(s.step_time_s)}/step", f"{s.tokens_per_s:,.0f} tok/s")
                 routing = tuple(f"  {expert_line(load)}" for load in s.experts)
             for s in (*event.steps, *([job.last] if job.HasField("last") else [])):
                 if s.dcn_window > 0:
@@ -234,7 +281,8 @@ def _follow_live(events: Iterable[pb.JobEvent]) -> pb.JobInfo:
                 task,
                 completed=job.step,
                 description=f"{job.job_id} {state_name(job.state)}",
-                stats=stats,
+                loss=loss,
+                extras=extras,
             )
     if job is None:
         raise RuntimeError("the controller ended the stream before sending anything")
