@@ -263,7 +263,8 @@ def _follow_live(events: Iterable[pb.JobEvent]) -> pb.JobInfo:
             job = event.job
             if task is None:
                 task = progress.add_task(job.job_id, total=job.steps, loss="", extras=())
-            if event.message and event.message != "attached":
+            # A move to a state with nothing more to say shows in the line itself.
+            if event.message not in ("", "attached", state_name(job.state)):
                 console.print(f"{job.job_id} {state_name(job.state)}: {event.message}")
             loss = ""
             extras: tuple[str, ...] = ()

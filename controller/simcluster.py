@@ -396,6 +396,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--head-object-store-mb", type=int, default=3072)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
+    # After Ray's import, which sets its logger to INFO: otherwise every controller log
+    # and test run began with Ray's "Overwriting previous Ray address" line.
+    import ray  # noqa: F401
+
     logging.getLogger("ray").setLevel(logging.WARNING)
     return _supervise(args.spec, args.host_object_store_mb, args.head_object_store_mb)
 

@@ -142,3 +142,19 @@ def test_summary_throughput_is_tokens_over_time_not_the_mean_of_rates():
         pb.StepMetrics(loss=4.0, step_time_s=0.9, tokens_per_s=1_000 / 0.9),
     ]
     assert "2,000 tok/s over the last 2 steps" in summary(job, steps)
+
+
+def test_the_live_view_names_the_end_state_once(capsys):
+    """A move to a state with nothing more to say shows in the progress line only (it
+    printed 'j2 succeeded: succeeded' above the line, which said 'j2 succeeded' too)."""
+    job = pb.JobInfo(job_id="j2", steps=3, state=pb.JOB_STATE_RUNNING)
+    done = pb.JobInfo(job_id="j2", steps=3, step=3, state=pb.JOB_STATE_SUCCEEDED)
+    events = [
+        pb.JobEvent(job=job, message="attached"),
+        pb.JobEvent(job=job, message="running: mesh (data=2(dcn)), restored step 0"),
+        pb.JobEvent(job=done, message="succeeded"),
+    ]
+    follow(events, plain=False)
+    text = capsys.readouterr().out
+    assert text.count("succeeded") == 1, text
+    assert "restored step 0" in text  # a message with something to say is printed
