@@ -402,6 +402,22 @@ class Gang:
         s, h = divmod(process_id, self.shape.hosts_per_slice)
         return f"host {h} of slice {self.slices[s].name}"
 
+    def host_reports(self, since_compile_s: float = float("inf")) -> list[HostReport]:
+        """What each worker's channel last said (controller/health.py), a stall counted
+        from `since_compile_s` ago at most."""
+        now = time.monotonic()
+        return [
+            HostReport(
+                self.describe_process(p),
+                now - channel.heard_at,
+                int(channel.progress.get("oldest_seq", 0)),
+                str(channel.progress.get("oldest_kind", "")),
+                min(float(channel.progress.get("stalled_s", 0.0)), since_compile_s),
+                str(channel.progress.get("compiling", "")),
+            )
+            for p, channel in enumerate(list(self._channels))
+        ]
+
     async def _watch_health(self, epoch: int) -> None:
         """Fails the gang when a worker stops answering or a collective is stuck (see
         controller/health.py); ends when the gang stops or starts again."""
@@ -411,23 +427,11 @@ class Gang:
             if self.epoch != epoch or not self.state.usable:
                 return
             now = time.monotonic()
-            channels = list(self._channels)
-            if any(c.progress.get("compiling") for c in channels):
+            if any(c.progress.get("compiling") for c in self._channels):
                 compiled_at = now
             # Time spent waiting for a host that compiled is no stall: the others wait
             # for it in the program's first collective, and it completes nothing meanwhile.
-            since_compile = now - compiled_at
-            reports = [
-                HostReport(
-                    self.describe_process(p),
-                    now - channel.heard_at,
-                    int(channel.progress.get("oldest_seq", 0)),
-                    str(channel.progress.get("oldest_kind", "")),
-                    min(float(channel.progress.get("stalled_s", 0.0)), since_compile),
-                    str(channel.progress.get("compiling", "")),
-                )
-                for p, channel in enumerate(channels)
-            ]
+            reports = self.host_reports(now - compiled_at)
             reason = diagnose(
                 reports,
                 heartbeat_timeout_s=self.options.heartbeat_timeout_s,

@@ -84,6 +84,24 @@ def lag_deadline(slowest_step_s: float) -> float:
     return max(LAG_FLOOR_S, 3.0 * slowest_step_s)
 
 
+def holding_up(hosts: Sequence[HostReport]) -> str:
+    """Which hosts the others wait for, in words, for a job whose step is late: those
+    compiling, else those behind their peers on an older operation; "" when every busy
+    host is on the same one (or none is busy)."""
+    compiling = [h for h in hosts if h.compiling]
+    if compiling:
+        return ", ".join(f"{h.name} compiling {h.compiling}" for h in compiling)
+    busy = [h for h in hosts if h.oldest_seq]
+    if not busy:
+        return ""
+    behind = min(h.oldest_seq for h in busy)
+    laggards = [h for h in busy if h.oldest_seq == behind]
+    if len(laggards) == len(busy):
+        return ""
+    names = ", ".join(h.name for h in laggards)
+    return f"{names} not done with it ({len(busy) - len(laggards)} other host(s) waiting)"
+
+
 def diagnose(
     hosts: Sequence[HostReport],
     *,

@@ -318,6 +318,8 @@ class Job:
     created_at: float = field(default_factory=time.time)
     updated_at: float = field(default_factory=time.time)
     recent: deque[StepRecord] = field(default_factory=lambda: deque(maxlen=200))
+    # When the latest step completed, or the latest start began running (time.monotonic).
+    progressed_at: float = 0.0
     cancel_requested: bool = False
     # The newest checkpoint step known committed in storage (None: none yet).
     committed_step: int | None = None

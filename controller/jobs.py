@@ -58,7 +58,7 @@ from controller.dataroots import check_corpus
 from controller.dcn import DcnMeter
 from controller.gang import failpoint
 from controller.gangstate import GangState
-from controller.health import lag_deadline
+from controller.health import holding_up, lag_deadline
 from controller.job import (
     DATA_AXIS,
     EXPERT_AXIS,
@@ -528,6 +528,28 @@ class JobRunner:
         task = asyncio.ensure_future(work)
         self._meanwhile_tasks.add(task)
         task.add_done_callback(done)
+
+    async def _say_when_late(self, job: Job, gang: Gang, epoch: int) -> None:
+        """While the job runs on this start: a step later than `STEP_LATE_S` (or 5x the
+        slowest step) is said to its watchers, with the hosts holding it up when the
+        controller knows them, and again every `STEP_LATE_EVERY_S` it stays late. The
+        gang's watchdog decides when late is stuck; until then, nothing else says it."""
+        said = 0.0  # how late the step was when last said (0: not said)
+        while job.state is JobState.RUNNING and job.epoch == epoch and gang.state.usable:
+            await asyncio.sleep(STEP_LATE_POLL_S)
+            late = time.monotonic() - job.progressed_at
+            if late < max(STEP_LATE_S, 5.0 * job.slowest_step_s):
+                said = 0.0
+                continue
+            if said and late - said < STEP_LATE_EVERY_S:
+                continue
+            said = late
+            who = holding_up(gang.host_reports())
+            message = f"waiting on step {job.step + 1} for {late:.0f} s" + (
+                f": {who}" if who else " (every host is in it)"
+            )
+            log.info("job %s: %s", job.job_id, message)
+            self._publish(job, message=message)
 
     def _can_grow(self, job: Job, gang: Gang) -> bool:
         """Whether an elastic job on fewer slices than it asked for could have them all."""
@@ -1054,6 +1076,10 @@ class JobRunner:
             JobState.RUNNING,
             f"mesh {mesh.describe()}, {flops / 1e9:.2f} GFLOP/step, {begun}",
         )
+        job.progressed_at = time.monotonic()
+        self._meanwhile(
+            job, gang, self._say_when_late(job, gang, job.epoch), "watching for late steps"
+        )
 
         # Steps committed already (by a start before a preemption) are not saved again.
         saves = SavePlan(job.step, spec.steps, spec.checkpoint_every, frozenset(held))
@@ -1344,6 +1370,7 @@ class JobRunner:
             raise FailedPreconditionError(f"step {step} failed: {error}")
         measured = step_record(step, ticket.values[0], ticket.ran, tokens, job.stat_shapes)
         job.note_step_time(step, measured.step_time_s)
+        job.progressed_at = time.monotonic()
         if gang is not None:
             measured = await self._account_dcn(job, gang, step, measured, ahead)
         if gang is not None:
@@ -1416,6 +1443,12 @@ class _GrowBack(Exception):
     """An elastic job on fewer slices stops at a committed checkpoint to grow back."""
 
 
+# A step this late (or 5x the job's slowest step, when longer) is said to the job's
+# watchers, again every STEP_LATE_EVERY_S while it stays late; checked every
+# STEP_LATE_POLL_S.
+STEP_LATE_S = 3.0
+STEP_LATE_EVERY_S = 10.0
+STEP_LATE_POLL_S = 1.0
 # How long a cancelled running job has to reach its next step boundary before it is
 # stopped where it is (at least; 3x its slowest step when that is longer).
 CANCEL_GRACE_S = 5.0

@@ -171,3 +171,18 @@ def test_a_fault_request_that_cannot_be_done_says_why(kwargs, error, words):
     kind = kwargs.pop("kind", "kill-worker")
     with pytest.raises(error, match=words):
         plan(kind, **kwargs)
+
+
+def test_holding_up_names_the_hosts_behind_or_compiling():
+    from controller.health import holding_up
+
+    assert (
+        holding_up([HostReport(A, 0.2, 40, "exec", 5.0), HostReport(B, 0.2, 40, "exec", 5.0)]) == ""
+    )
+    assert holding_up([HostReport(A, 0.2), HostReport(B, 0.2)]) == ""
+    behind = holding_up([HostReport(A, 0.2, 41, "exec", 5.0), HostReport(B, 0.2, 40, "hang", 5.0)])
+    assert behind == f"{B} not done with it (1 other host(s) waiting)"
+    compiling = holding_up(
+        [HostReport(A, 0.2, 40, "exec", 5.0), HostReport(B, 0.2, 40, "exec", 5.0, "lm.step")]
+    )
+    assert compiling == f"{B} compiling lm.step"
