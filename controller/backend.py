@@ -98,6 +98,10 @@ class Worker(Protocol):
         """Has the worker begin loading the data of a program's batches in the background."""
         ...
 
+    async def log_tail(self, lines: int) -> str:
+        """The last `lines` lines of the worker's stderr."""
+        ...
+
 
 class Channel(Protocol):
     """The controller's end of a worker's control channel (controller/channel.py):
@@ -238,6 +242,9 @@ class _Actor:
 
     async def prepare_data(self, program: str, overrides: tuple[tuple[str, str], ...]) -> None:
         await self.actor.prepare_data.remote(program, overrides)
+
+    async def log_tail(self, lines: int) -> str:
+        return await self.actor.log_tail.remote(lines)
 
 
 class RayBackend:

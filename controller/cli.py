@@ -208,6 +208,33 @@ def _watch(args: argparse.Namespace) -> int:
         return _follow_job(client, args.job, True if args.plain else None, args.reconnect)
 
 
+def _logs(args: argparse.Namespace) -> int:
+    from slicewise.common.errors import SlicewiseError
+
+    if args.tail < 1:
+        print(f"slicewise logs: --tail must be at least 1, got {args.tail}", file=sys.stderr)
+        return 2
+    with _connect(args, "logs") as client:
+        source = "controller"
+        try:
+            for line in client.job_logs(args.job, follow=args.follow, tail=args.tail):
+                if line.source != source:  # each source after the first: a heading
+                    source = line.source
+                    heading = (
+                        "the controller, from now on"
+                        if source == "controller"
+                        else f"{source}: its worker's stderr (last {args.tail} lines)"
+                    )
+                    print(f"--- {heading} ---")
+                print(line.text, flush=args.follow)
+        except SlicewiseError as exc:
+            print(f"slicewise logs: {exc}", file=sys.stderr)
+            return 1
+        except KeyboardInterrupt:
+            return 0
+    return 0
+
+
 def _keep(args: argparse.Namespace) -> int:
     from controller.jobview import checkpoint
     from slicewise.common.errors import SlicewiseError
@@ -605,6 +632,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout", type=float, default=10.0)
     _reconnect_flag(p)
     p.set_defaults(func=_watch)
+
+    p = sub.add_parser(
+        "logs",
+        help="a job's log: the controller's lines about it, its workers' stderr tails",
+    )
+    p.add_argument("job")
+    p.add_argument("--controller", default=DEFAULT_ADDRESS, metavar="ADDR")
+    p.add_argument(
+        "-f", "--follow", action="store_true", help="then the new lines, until the job ends"
+    )
+    p.add_argument(
+        "--tail", type=int, default=200, metavar="N", help="the newest N lines of each source"
+    )
+    p.add_argument("--timeout", type=float, default=10.0)
+    p.set_defaults(func=_logs)
 
     p = sub.add_parser(
         "keep", help="keep a job's checkpoint step beyond its newest --keep-checkpoints"

@@ -469,6 +469,19 @@ class Gang:
                     with contextlib.suppress(Exception):
                         self._backend.drop_stash(name)
 
+    async def log_tails(self, lines: int, timeout_s: float = 10.0) -> list[tuple[str, str]]:
+        """(host, the last `lines` lines of its worker's stderr) per worker; what could
+        not be read says why instead."""
+
+        async def tail(worker: Worker) -> str:
+            try:
+                return await asyncio.wait_for(worker.log_tail(lines), timeout_s)
+            except Exception as exc:  # noqa: BLE001 - the other hosts' tails still count
+                return f"(its stderr could not be read: {type(exc).__name__}: {exc})\n"
+
+        tails = await asyncio.gather(*(tail(w) for w in list(self._workers)))
+        return [(self.describe_process(p), text) for p, text in enumerate(tails)]
+
     async def prepare_data(self, program: str, overrides: tuple[tuple[str, str], ...]) -> None:
         """Has every worker begin loading the data of the program's batches."""
         await asyncio.gather(*(w.prepare_data(program, overrides) for w in self._workers))

@@ -261,6 +261,7 @@ class JobRunner:
             spec.num_slices,
             spec.slice_type,
             spec.steps,
+            extra={"job": job.job_id},
         )
         return job
 
@@ -332,7 +333,9 @@ class JobRunner:
             self.journal.update_job(
                 job.job_id, time.time(), keep_steps=json.dumps(sorted(job.keep_steps))
             )
-            log.info("job %s: checkpoint step %d marked to keep", job.job_id, step)
+            log.info(
+                "job %s: checkpoint step %d marked to keep", job.job_id, step, extra={"job": job_id}
+            )
         return job
 
     def cancel(self, job_id: str) -> Job:
@@ -364,6 +367,14 @@ class JobRunner:
                     yield {"job": job, "steps": [], "message": ""}  # keeps the stream alive
         finally:
             job.watchers.discard(queue)
+
+    async def worker_log_tails(self, job: Job, lines: int) -> list[tuple[str, str]]:
+        """(host, its worker's last `lines` lines of stderr) for the gang the job runs on
+        now; [] when it holds none (queued, or ended: its workers have exited)."""
+        gang = self.controller.gangs.get(job.gang_id) if job.gang_id else None
+        if gang is None or job.state.terminal:
+            return []
+        return await gang.log_tails(lines)
 
     def steps(self, job_id: str) -> list[StepRecord]:
         self.get(job_id)
@@ -1457,7 +1468,11 @@ CANCEL_GRACE_S = 5.0
 def _stop_if_running(job: Job) -> None:
     """A cancel's grace is over: a job still running is stopped where it is."""
     if not job.state.terminal and job.task is not None and not job.task.done():
-        log.info("job %s: no step boundary within the cancel's grace; stopping it", job.job_id)
+        log.info(
+            "job %s: no step boundary within the cancel's grace; stopping it",
+            job.job_id,
+            extra={"job": job.job_id},
+        )
         job.task.cancel()
 
 

@@ -9,6 +9,7 @@ refused as INVALID_ARGUMENT like any other client mistake.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import functools
 import json
@@ -31,7 +32,7 @@ from controller.job import (
     JobSpec,
 )
 from controller.jobs import JobRunner
-from controller.logs import set_log_context
+from controller.logs import JOB_LOG, set_log_context
 from controller.programs import ProgramUpload
 from protos import controller_pb2 as pb
 from protos import controller_pb2_grpc as pb_grpc
@@ -40,6 +41,9 @@ from slicewise.common.errors import FailedPreconditionError, InvalidRequestError
 from slicewise.common.limits import check_seconds
 
 log = logging.getLogger(__name__)
+
+# The newest lines of each source `slicewise logs` sends unless it asks for another number.
+DEFAULT_LOG_TAIL = 200
 
 
 def status_code_for(exc: BaseException) -> grpc.StatusCode:
@@ -786,6 +790,26 @@ class ControllerServicer(pb_grpc.ControllerServicer):
                 message=event["message"],
                 steps=[messages.step_to_pb(r) for r in event["steps"]],
             )
+
+    @_streaming
+    async def JobLogs(self, request: pb.JobLogsRequest, context: Any) -> AsyncIterator[pb.LogLine]:
+        job = self.jobs.get(request.job_id)
+        tail = request.tail if request.tail > 0 else DEFAULT_LOG_TAIL
+        with JOB_LOG.following(job.job_id) as new:
+            sent = 0
+            for seq, text in JOB_LOG.lines(job.job_id)[-tail:]:
+                sent = seq
+                yield pb.LogLine(source="controller", text=text)
+            for host, text in await self.jobs.worker_log_tails(job, tail):
+                for line in text.splitlines():
+                    yield pb.LogLine(source=host, text=line)
+            while request.follow and not (job.state.terminal and new.empty()):
+                try:
+                    seq, text = await asyncio.wait_for(new.get(), timeout=1.0)
+                except TimeoutError:
+                    continue
+                if seq > sent:  # not among the lines sent first
+                    yield pb.LogLine(source="controller", text=text)
 
     @_unary
     async def GetJobMetrics(self, request: pb.GetJobRequest, context: Any) -> pb.JobMetrics:

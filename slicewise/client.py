@@ -435,6 +435,17 @@ class Client:
     def job_metrics(self, job_id: str) -> pb.JobMetrics:
         return _call(self.stub.GetJobMetrics, pb.GetJobRequest(job_id=job_id), timeout=60)
 
+    def job_logs(self, job_id: str, *, follow: bool = False, tail: int = 0) -> Iterator[pb.LogLine]:
+        """The job's log (`slicewise logs`): the controller's newest `tail` lines about
+        it (0: 200), then the newest `tail` lines of the stderr of each worker of the gang
+        it runs on now; with `follow`, then the controller's lines as they come, until
+        the job ends. Each line names its `source`: "controller" or a host."""
+        request = pb.JobLogsRequest(job_id=job_id, follow=follow, tail=tail)
+        try:
+            yield from self.stub.JobLogs(request)
+        except grpc.RpcError as err:
+            _raise_from(err)
+
     def watch_job(self, job_id: str, *, reconnect_timeout: float = 0.0) -> Iterator[pb.JobEvent]:
         """The job's snapshot, then its steps and state changes until it ends.
 

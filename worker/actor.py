@@ -227,6 +227,17 @@ class HostWorker:
         node = ray.get_runtime_context().get_node_id()
         return ray.remote(StateStash).options(name=name, **stash_options(node)).remote()
 
+    def log_tail(self, lines: int) -> str:
+        """The last `lines` lines this worker wrote to its stderr (Ray sends a worker's
+        stderr to a file of the session's logs, on its own host), for `slicewise logs`;
+        "" when stderr is not a file."""
+        from slicewise.common.files import last_lines
+
+        path = os.path.realpath(f"/proc/{os.getpid()}/fd/2")
+        if not os.path.isfile(path):
+            return ""
+        return last_lines(path, lines, max_bytes=1 << 20)
+
     def prepare_data(self, program: str, overrides: tuple[tuple[str, str], ...]) -> None:
         """Begins loading the data of a program's batches on this host in the background
         (the first batch waits for it): a new worker reads the LM's corpus while its

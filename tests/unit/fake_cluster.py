@@ -100,6 +100,9 @@ class FakeWorker:
     async def prepare_data(self, program: str, overrides: tuple[tuple[str, str], ...]) -> None:
         return None
 
+    async def log_tail(self, lines: int) -> str:
+        return f"{self.spec.name}: started\n"
+
 
 class FakeChannel:
     """A control channel whose worker completes every operation as soon as it arrives;
