@@ -178,6 +178,9 @@ def test_a_killed_then_stopped_controller_continues_its_job_after_each_restart(
             "continuing 1 unfinished job(s)" in log
             or "resumes after the controller restarted" in log
         ), start
+        # The programs the first run exported, read back from the state directory.
+        assert "exported by an earlier run of this controller; read back" in log, start
+        assert "lm exported for mesh" not in log, start
     # The second process followed the job through the restarts to its end.
     assert "lost the controller" in watched, watched
     assert re.search(rf"^j1-[a-z2-7]{{13}} step {STEPS}/{STEPS} loss", watched, re.M), watched
