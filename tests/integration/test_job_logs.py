@@ -10,6 +10,7 @@ import pytest
 
 from controller.jobview import TERMINAL
 from slicewise.testing import wait_until
+from tests.integration.conftest import controller_log
 from tests.integration.test_checkpoints import finished, submit_lm
 
 pytestmark = pytest.mark.integration
@@ -66,3 +67,8 @@ def test_logs_of_an_unknown_job_say_so(controller):
 def test_logs_refuse_a_tail_below_one(controller):
     result = cli(controller, "logs", "j1", "--tail", "0")
     assert result.returncode == 2 and "--tail must be at least 1" in result.stderr
+
+
+def test_the_controllers_log_has_no_ray_address_notice(controller):
+    """Every controller log began with Ray's 'Overwriting previous Ray address' line."""
+    assert "Overwriting previous Ray address" not in controller_log(controller)
