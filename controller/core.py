@@ -181,9 +181,12 @@ class Controller:
         self._gauges = asyncio.create_task(self._update_gauges_forever(), name="gauges")
 
     async def shutdown(self) -> None:
+        from controller.programs import stop_reader
+
         if self._gauges is not None:
             self._gauges.cancel()
         await self.manager.shutdown("was stopped with the controller")
+        await asyncio.to_thread(stop_reader)
 
     async def refresh_inventory(self) -> None:
         await self.manager.refresh_inventory()

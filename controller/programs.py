@@ -4,8 +4,13 @@ against the gang they will run on before any worker sees them."""
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Sequence
+import multiprocessing
+import threading
+from collections.abc import Callable, Sequence
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field
+from typing import Any
 
 from controller.auth import current_identity, may_see
 from controller.stablehlo import check_module
@@ -111,6 +116,59 @@ def program_id_of(serialized: bytes, mesh: MeshSpec) -> str:
     return digest.hexdigest()
 
 
+# MLIR's bytecode reader is native code, and malformed bytes can corrupt the memory of
+# the process that reads them: the fuzz test's mutated programs once aborted the
+# controller ("corrupted double-linked list", SIGABRT) while their modules were read. The
+# module of every registered program is therefore read in a process of its own, which a
+# bad program can take down alone: the program is refused and the next one gets a new
+# reader. (The artifact's own header is read here: Python code and protobuf.)
+READER_TIMEOUT_S = 300.0
+_reader: ProcessPoolExecutor | None = None
+_reader_lock = threading.Lock()
+
+
+def _module_text(serialized: bytes) -> str:
+    from jax import export
+
+    return str(export.deserialize(bytearray(serialized)).mlir_module())
+
+
+def read_module(serialized: bytes) -> str:
+    """The StableHLO text of a jax.export artifact, read in the reader process.
+
+    Raises:
+        RuntimeError: the reader died on it (the bytes crash MLIR's reader).
+        Exception: whatever reading it raised there.
+    """
+    return str(in_reader(_module_text, bytes(serialized)))
+
+
+def in_reader(fn: Callable[..., Any], *args: Any) -> Any:
+    """`fn(*args)` in the reader process (started on first use)."""
+    global _reader
+    with _reader_lock:
+        if _reader is None:
+            _reader = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"))
+        reader = _reader
+    try:
+        return reader.submit(fn, *args).result(timeout=READER_TIMEOUT_S)
+    except BrokenProcessPool:
+        with _reader_lock:
+            if _reader is reader:
+                _reader = None
+        reader.shutdown(wait=False, cancel_futures=True)
+        raise RuntimeError("reading its module crashed the reader process") from None
+
+
+def stop_reader() -> None:
+    """Stops the reader process, if one runs (the controller's shutdown)."""
+    global _reader
+    with _reader_lock:
+        reader, _reader = _reader, None
+    if reader is not None:
+        reader.shutdown(wait=True, cancel_futures=True)
+
+
 def load_program(serialized: bytes, name: str, mesh: MeshSpec) -> Program:
     """Deserializes and describes a program.
 
@@ -130,7 +188,7 @@ def load_program(serialized: bytes, name: str, mesh: MeshSpec) -> Program:
             "jax.export.export(...)(...).serialize()"
         ) from None
     try:
-        text = exported.mlir_module()
+        text = read_module(serialized)
     except Exception as exc:  # noqa: BLE001 - the module inside is not StableHLO
         raise InvalidRequestError(
             f"program {name!r} holds no readable StableHLO module ({type(exc).__name__}: "

@@ -68,7 +68,7 @@ OK = grpc.StatusCode.OK
 # never ends by itself.
 CALL_TIMEOUT_S = 20.0
 WATCH_TIMEOUT_S = 0.15
-WATCHES = {"WatchGang", "WatchJob"}
+WATCHES = {"WatchGang", "WatchJob", "JobLogs"}  # JobLogs follows a live job when asked
 # The longest the controller may take to answer Health while the campaign runs.
 HEALTH_TIMEOUT_S = 5.0
 # Never the answer to a client mistake: a bug in the controller, or in its error mapping.
@@ -80,7 +80,7 @@ CONTROLLER_DATA_BYTES = 6 * 2**30
 # Examples of each kind; the campaign sends more requests than these add up to (the
 # chains' follow-ups, and the releases and cancellations of what fuzzed requests made).
 FROM_SCRATCH = 90
-NEAR_VALID = {name: 80 for name in METHODS} | {"WatchGang": 30, "WatchJob": 30}
+NEAR_VALID = {name: 80 for name in METHODS} | {"WatchGang": 30, "WatchJob": 30, "JobLogs": 30}
 RAW_FRAMES = 40
 MUTATED_PROGRAMS = 150
 CHAINS = {"job": 50, "array": 50, "program": 40, "attachment": 30, "direct": 40}
@@ -420,6 +420,7 @@ def templates(real: Real) -> dict[str, Message | list[Message]]:
         "WatchJob": pb.WatchJobRequest(job_id=job),
         "GetJobMetrics": pb.GetJobRequest(job_id=job),
         "InjectFault": pb.InjectFaultRequest(job_id=job, kind="kill-worker"),
+        "JobLogs": pb.JobLogsRequest(job_id=job, tail=5),
     }
 
 
