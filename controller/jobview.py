@@ -24,6 +24,7 @@ from typing import TextIO
 
 from rich.console import Console, RenderableType
 from rich.progress import Progress
+from rich.progress_bar import ProgressBar
 from rich.table import Table
 from rich.text import Text
 
@@ -224,8 +225,6 @@ class _JobProgress(Progress):
     below: tuple[str, ...] = ()
 
     def get_renderables(self) -> Iterable[RenderableType]:
-        from rich.progress_bar import ProgressBar
-
         for task in self.tasks:  # none yet while Progress builds its Live (no console)
             width = self.console.width
             head, bar, right = progress_parts(

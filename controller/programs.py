@@ -133,6 +133,25 @@ def _module_text(serialized: bytes) -> str:
     return str(export.deserialize(bytearray(serialized)).mlir_module())
 
 
+def _warm() -> None:
+    from jax import export  # noqa: F401
+
+
+def warm_reader() -> None:
+    """Starts the reader process now, in the background, so that a controller's first
+    program (a resumed job's, after a restart) does not wait for it to start and import
+    jax (about 2 s here)."""
+    _pool().submit(_warm)
+
+
+def _pool() -> ProcessPoolExecutor:
+    global _reader
+    with _reader_lock:
+        if _reader is None:
+            _reader = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"))
+        return _reader
+
+
 def read_module(serialized: bytes) -> str:
     """The StableHLO text of a jax.export artifact, read in the reader process.
 
@@ -146,10 +165,7 @@ def read_module(serialized: bytes) -> str:
 def in_reader(fn: Callable[..., Any], *args: Any) -> Any:
     """`fn(*args)` in the reader process (started on first use)."""
     global _reader
-    with _reader_lock:
-        if _reader is None:
-            _reader = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"))
-        reader = _reader
+    reader = _pool()
     try:
         return reader.submit(fn, *args).result(timeout=READER_TIMEOUT_S)
     except BrokenProcessPool:

@@ -293,6 +293,9 @@ async def _serve(
     controller = Controller(simulated=bool(config.sim), options=config.options, journal=journal)
     controller.simulation = simulation
     await controller.start()
+    from controller.programs import warm_reader
+
+    warm_reader()
     jobs = JobRunner(controller, journal, state_dir)
     interceptors, credentials, caps = security
     controller.manager.caps = caps
